@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtualenv in .venv/: torch first (the CPU wheel here; set
+# V4RL_TORCH_SPEC to bring your own GPU build, e.g. 'torch>=2.9'), then v4rl itself with its test extras.
+# Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.v4rl-installed
+want=$(sha256sum pyproject.toml setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "${V4RL_TORCH_SPEC:-torch==2.13.0}"
+fi
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "$want" > "$stamp"
