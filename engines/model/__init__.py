@@ -1,0 +1,6 @@
+"""Our DeepSeek-V4 implementation (inference): config, native parameter table, model with cached decode."""
+
+from engines.model.config import ModelConfig
+from engines.model.model import DeepseekV4, SequenceCache
+
+__all__ = ["DeepseekV4", "ModelConfig", "SequenceCache"]

@@ -1,0 +1,271 @@
+"""DeepSeek-V4 attention: shared-KV MQA over a sliding window plus compressed long-range entries.
+
+Every layer attends to its last `sliding_window` tokens (query included). Compressed layers add:
+  HCA  one entry per non-overlapping window of `rate` tokens, all of them attended (when complete);
+  CSA  overlapping windows (entry w pools window w-1's Ca series with window w's Cb series), of which
+       the lightning indexer keeps the top `index_topk` per query.
+Queries are low-rank (`wq_a -> q_norm -> wq_b`, per-head unweighted RMSNorm), K=V is one shared head,
+RoPE is interleaved on the trailing channels (`main` theta on sliding-only layers, `compress` theta
+elsewhere), each head has a learned sink logit, and the output goes through a grouped low-rank
+projection after the conjugate RoPE removes V's rotation.
+
+Two entry points share the pooling, scoring and attention maths: `forward_full` (a whole sequence,
+optionally returning the cache a decode can continue from) and `forward_decode` (one new token per
+sequence, each sequence with its own cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.model.config import CSA, SLIDING, ModelConfig
+from engines.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, unweighted_rms_norm
+
+
+@dataclass
+class CompressorState:
+    """Per-sequence compressor state: tokens of the open window, emitted entries, CSA overlap (Ca + gate)."""
+
+    buffer_kv: torch.Tensor
+    buffer_gate: torch.Tensor
+    entries: torch.Tensor
+    overlap_kv: torch.Tensor | None = None
+    overlap_gate: torch.Tensor | None = None
+
+
+@dataclass
+class LayerCache:
+    """Per-sequence cache of one layer: the last sliding_window-1 K=V rows plus compressor states."""
+
+    window: torch.Tensor
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of `rate` tokens into one KV entry (overlapping Ca/Cb series when `overlap`)."""
+
+    def __init__(self, cfg: ModelConfig, rate: int, out_dim: int, overlap: bool) -> None:
+        super().__init__()
+        width = 2 * out_dim if overlap else out_dim
+        self.wkv = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.norm = RMSNorm(out_dim, cfg.rms_norm_eps)
+        self.ape = nn.Parameter(torch.zeros(rate, width))
+        self.rate, self.out_dim, self.overlap = rate, out_dim, overlap
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, "compress"), persistent=False)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first_position: int,
+             prior: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Pool complete windows. kv/gate: [B, n*rate, width] raw projections; returns ([B, n, out_dim], new overlap)."""
+        B, n = kv.shape[0], kv.shape[1] // self.rate
+        m, d = self.rate, self.out_dim
+        if n == 0:
+            return kv.new_zeros(B, 0, d), prior
+        kv = kv.view(B, n, m, -1)
+        gate = gate.view(B, n, m, -1) + self.ape
+        new_overlap = prior
+        if self.overlap:
+            slots_kv = kv.new_zeros(B, n, 2 * m, d)
+            slots_gate = gate.new_full((B, n, 2 * m, d), float("-inf"))
+            slots_kv[:, :, m:], slots_gate[:, :, m:] = kv[..., d:], gate[..., d:]
+            slots_kv[:, 1:, :m], slots_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
+            if prior is not None:
+                slots_kv[:, 0, :m], slots_gate[:, 0, :m] = prior[0].to(kv.dtype), prior[1].to(gate.dtype)
+            new_overlap = (kv[:, -1, :, :d].clone(), gate[:, -1, :, :d].clone())
+            kv, gate = slots_kv, slots_gate
+        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+        positions = torch.arange(n, device=kv.device) * m + first_position
+        cos, sin = rope_cos_sin(self.inv_freq, positions, pooled.dtype)
+        return apply_rope(pooled, cos, sin), new_overlap
+
+    def full(self, x: torch.Tensor, keep_state: bool) -> tuple[torch.Tensor, list[CompressorState] | None]:
+        """All entries of whole sequences [B, S, H] -> [B, T, out_dim] (+ per-sequence states to continue from)."""
+        kv, gate = self.wkv(x), self.wgate(x)
+        usable = (x.shape[1] // self.rate) * self.rate
+        entries, overlap = self.pool(kv[:, :usable], gate[:, :usable], 0, None)
+        if not keep_state:
+            return entries, None
+        states = [CompressorState(kv[b, usable:], gate[b, usable:], entries[b],
+                                  None if overlap is None else overlap[0][b:b + 1],
+                                  None if overlap is None else overlap[1][b:b + 1]) for b in range(x.shape[0])]
+        return entries, states
+
+    def step(self, x: torch.Tensor, states: list[CompressorState]) -> None:
+        """Feed one new token per sequence ([B, H]); emits an entry into a state when its window closes."""
+        kv, gate = self.wkv(x), self.wgate(x)
+        for b, st in enumerate(states):
+            st.buffer_kv = torch.cat([st.buffer_kv, kv[b:b + 1]])
+            st.buffer_gate = torch.cat([st.buffer_gate, gate[b:b + 1]])
+            if st.buffer_kv.shape[0] == self.rate:
+                prior = None if st.overlap_kv is None else (st.overlap_kv, st.overlap_gate)
+                first = st.entries.shape[0] * self.rate
+                entry, overlap = self.pool(st.buffer_kv[None], st.buffer_gate[None], first, prior)
+                st.entries = torch.cat([st.entries, entry[0]])
+                if overlap is not None:
+                    st.overlap_kv, st.overlap_gate = overlap
+                st.buffer_kv, st.buffer_gate = st.buffer_kv[:0], st.buffer_gate[:0]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score_t,s = Σ_h w_t,h · ReLU(q_t,h · k_s) / sqrt(d); keeps the top-k past entries."""
+
+    def __init__(self, cfg: ModelConfig, rate: int) -> None:
+        super().__init__()
+        self.cfg, self.rate = cfg, rate
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+        self.compressor = Compressor(cfg, rate, cfg.index_head_dim, overlap=True)
+
+    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Index scores [B, S, T] for queries x/q_residual [B, S, .] against keys [B, T, d]."""
+        cfg = self.cfg
+        B, S = x.shape[:2]
+        q = self.wq_b(q_residual).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
+        q = apply_rope(q.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)).transpose(1, 2)
+        s = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # [B, S, heads, T]
+        s = F.relu(s) * cfg.index_head_dim ** -0.5
+        w = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5
+        return (s * w.unsqueeze(-1)).sum(dim=2)
+
+    def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Visible-and-selected mask [B, S, T]: top-k among entries whose window closed at or before the query."""
+        T = scores.shape[-1]
+        visible = torch.arange(T, device=scores.device) < ((positions + 1) // self.rate).unsqueeze(-1)
+        if T == 0:
+            return visible
+        # Stable descending sort: among equal scores (frequent: ReLU zeroes whole rows) the earlier entry wins,
+        # so a query picks the same entries whether it is scored in a full sequence or in a decode step.
+        # (torch.topk breaks ties by row length, which differs between the two.)
+        masked = scores.masked_fill(~visible, float("-inf"))
+        top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :min(self.cfg.index_topk, T)]
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
+        return chosen & visible
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.kind = cfg.layer_types[layer]
+        nh, hd = cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, nh * hd, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(nh * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(nh))
+        self.compressor = self.indexer = None
+        if self.kind != SLIDING:
+            rate = cfg.compress_rate(layer)
+            self.compressor = Compressor(cfg, rate, hd, overlap=self.kind == CSA)
+        if self.kind == CSA:
+            self.indexer = Indexer(cfg, cfg.compress_rate(layer))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, "main" if self.kind == SLIDING else "compress"),
+                             persistent=False)
+        self.register_buffer("compress_inv_freq", rope_inv_freq(cfg, "compress"), persistent=False)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """q [B, nh, S, hd], kv [B, S, hd] (normed, rotated), q_residual, and the (cos, sin) used."""
+        cfg = self.cfg
+        B, S = x.shape[:2]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [B, S, r/2]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(B, S, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return q, kv, q_residual, (cos, sin)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Sink-softmax attention with K=V. q [B, nh, S, hd], keys [B, L, hd], allowed [B, S, L] -> [B, nh, S, hd]."""
+        logits = torch.matmul(q, keys.unsqueeze(1).transpose(-1, -2)) * self.cfg.head_dim ** -0.5
+        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        sinks = self.attn_sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        return torch.matmul(probs.to(keys.dtype), keys.unsqueeze(1))
+
+    def _output(self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Undo V's RoPE at the query position, then the grouped low-rank output projection."""
+        cfg = self.cfg
+        out = apply_rope(attn, cos.unsqueeze(1), -sin.unsqueeze(1)).transpose(1, 2)  # [B, S, nh, hd]
+        B, S = out.shape[:2]
+        grouped = out.reshape(B, S, cfg.o_groups, -1)
+        w = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        mixed = torch.einsum("bsgi,goi->bsgo", grouped, w).flatten(2)
+        return self.wo_b(mixed)
+
+    # ------------------------------------------------------------------ whole sequences
+    def forward_full(self, x: torch.Tensor, positions: torch.Tensor, keep_cache: bool = False):
+        """x [B, S, H] at positions [B, S] (a fresh sequence from 0). Returns (out, per-sequence caches or None)."""
+        cfg = self.cfg
+        B, S = x.shape[:2]
+        q, kv, q_residual, (cos, sin) = self._project(x, positions)
+        i = torch.arange(S, device=x.device)
+        allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < cfg.sliding_window)
+        allowed = allowed.expand(B, S, S)
+        keys = kv
+        comp_states = idx_states = None
+        if self.compressor is not None:
+            entries, comp_states = self.compressor.full(x, keep_cache)
+            T = entries.shape[1]
+            if self.indexer is not None:
+                idx_keys, idx_states = self.indexer.compressor.full(x, keep_cache)
+                ccos, csin = rope_cos_sin(self.compress_inv_freq, positions, x.dtype)
+                scores = self.indexer.scores(x, q_residual, idx_keys, ccos, csin)
+                visible = self.indexer.select(scores, positions)
+            else:
+                visible = torch.arange(T, device=x.device) < ((positions + 1) // self.compressor.rate).unsqueeze(-1)
+            keys = torch.cat([kv, entries], dim=1)
+            allowed = torch.cat([allowed, visible], dim=-1)
+        out = self._output(self._attend(q, keys, allowed), cos, sin)
+        if not keep_cache:
+            return out, None
+        caches = [LayerCache(window=kv[b, max(0, S - cfg.sliding_window + 1):],
+                             compressor=comp_states[b] if comp_states else None,
+                             indexer=idx_states[b] if idx_states else None) for b in range(B)]
+        return out, caches
+
+    # ------------------------------------------------------------------ one token per sequence
+    def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
+        """x [B, 1, H], positions [B, 1]; updates each sequence's cache in place (new tensors, never in-place ops)."""
+        cfg = self.cfg
+        q, kv, q_residual, (cos, sin) = self._project(x, positions)
+        key_rows = []
+        for b, c in enumerate(caches):
+            window = torch.cat([c.window, kv[b]])  # the last sliding_window tokens, this one included
+            c.window = window[max(0, window.shape[0] - cfg.sliding_window + 1):]
+            key_rows.append([window])
+        if self.compressor is not None:
+            self.compressor.step(x[:, 0], [c.compressor for c in caches])
+            if self.indexer is not None:
+                self.indexer.compressor.step(x[:, 0], [c.indexer for c in caches])
+                ccos, csin = rope_cos_sin(self.compress_inv_freq, positions, x.dtype)
+                for b, c in enumerate(caches):
+                    entries = c.compressor.entries
+                    if entries.shape[0] == 0:
+                        continue
+                    scores = self.indexer.scores(x[b:b + 1], q_residual[b:b + 1], c.indexer.entries[None],
+                                                 ccos[b:b + 1], csin[b:b + 1])
+                    chosen = self.indexer.select(scores, positions[b:b + 1])[0, 0]
+                    key_rows[b].append(entries[chosen])
+            else:
+                for b, c in enumerate(caches):
+                    key_rows[b].append(c.compressor.entries)
+        rows = [torch.cat(parts) for parts in key_rows]
+        L = max(r.shape[0] for r in rows)
+        keys = x.new_zeros(len(rows), L, cfg.head_dim)
+        allowed = torch.zeros(len(rows), 1, L, dtype=torch.bool, device=x.device)
+        for b, r in enumerate(rows):
+            keys[b, :r.shape[0]] = r
+            allowed[b, 0, :r.shape[0]] = True
+        return self._output(self._attend(q, keys, allowed), cos, sin)
