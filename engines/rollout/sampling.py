@@ -1,0 +1,136 @@
+"""Batched sampling with our DeepSeek-V4: prefill once per prompt, fork the cache for n samples, decode.
+
+Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, stop_token_ids,
+ignore_eos, a per-request seed). The logprob reported for each sampled token is the RAW logprob,
+log_softmax of the unprocessed logits (temperature 1, no top-p/top-k truncation): that is what a
+trainer recomputes, so train/rollout differences measure the engines, not the sampler settings.
+
+Every request draws from its own torch.Generator seeded from (seed, sample index), so a request's
+tokens do not depend on what else is in the batch.
+
+    outs = generate(model, [prompt_ids], SamplingParams(temperature=1.0, max_new_tokens=16), n=8, seed=0)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.model import DeepseekV4, SequenceCache
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1.0 keeps everything)."""
+    top_k: int = -1
+    """Keep only the k most likely tokens (-1: all)."""
+    max_new_tokens: int = 128
+    """Tokens generated at most; finish_reason 'length' when reached."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a sample (finish_reason 'stop', token included)."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+def fork_cache(cache: SequenceCache) -> SequenceCache:
+    """An independent copy sharing tensors (decode replaces tensors, it never writes into them)."""
+    return copy.deepcopy(cache, memo={id(t): t for t in _tensors(cache)})
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            yield from _tensors(x)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Draw one token id from a [vocab] logit row under the sampling parameters."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    scores = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate(model: DeepseekV4, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int = 0,
+             eos_token_id: int | None = None) -> list[list[Completion]]:
+    """n samples for each prompt; returns one list of Completions per prompt."""
+    stops = set(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        stops.add(eos_token_id)
+    rows: list[tuple[int, int]] = []  # (prompt index, sample index)
+    caches: list[SequenceCache] = []
+    next_logits: list[torch.Tensor] = []
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        by_length.setdefault(len(p), []).append(i)
+    for length, idxs in by_length.items():
+        logits, pre = model.prefill(torch.tensor([prompts[i] for i in idxs]))
+        for j, i in enumerate(idxs):
+            for s in range(n):
+                rows.append((i, s))
+                caches.append(fork_cache(pre[j]) if s < n - 1 else pre[j])
+                next_logits.append(logits[j, -1])
+    generators = [torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + s) for i, s in rows]
+    outputs = [[] for _ in rows]
+    logprobs = [[] for _ in rows]
+    finish = ["length"] * len(rows)
+    active = list(range(len(rows))) if params.max_new_tokens > 0 else []
+    current = torch.stack(next_logits) if next_logits else None
+    while active:
+        raw = torch.log_softmax(current.float(), dim=-1)
+        tokens, still = [], []
+        for pos, r in enumerate(active):
+            tok = sample_token(current[pos], params, generators[r])
+            outputs[r].append(tok)
+            logprobs[r].append(float(raw[pos, tok]))
+            if tok in stops:
+                finish[r] = "stop"
+            elif len(outputs[r]) < params.max_new_tokens:
+                still.append(r)
+                tokens.append(tok)
+        active = still
+        if active:
+            current = model.decode(torch.tensor(tokens), [caches[r] for r in active])
+    result: list[list[Completion]] = [[None] * n for _ in prompts]  # type: ignore[list-item]
+    for r, (i, s) in enumerate(rows):
+        result[i][s] = Completion(list(prompts[i]), outputs[r], logprobs[r], finish[r])
+    return result
