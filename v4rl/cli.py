@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -69,6 +70,18 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
     from v4rl.demo import run_demo
 
     sys.exit(run_demo(workdir, seed=seed))
+
+
+# Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.
+COMMAND_MODULES = ("v4rl.cmd_convert", "v4rl.cmd_rollout", "v4rl.cmd_plan", "v4rl.cmd_bench")
+for _name in COMMAND_MODULES:
+    try:
+        _module = importlib.import_module(_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != _name:
+            raise
+        continue
+    _module.register(app)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""Shared fixtures: a random tiny-cpu checkpoint in the native FP8 + FP4 layout (every path live).
+
+Tests that need trained behaviour use the bootstrap asset instead; this one only needs real shapes,
+real storage formats and non-trivial values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing in the test suite may talk to anything but loopback, or phone home.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def write_random_tiny_checkpoint(out_dir: Path, *, seed: int = 0, **save_kwargs) -> Path:
+    """A tiny-cpu model with random weights (tid2eid, sinks, ape, mHC bases live), saved natively."""
+    import tempfile
+
+    from checkpoints.hf import save_hf_checkpoint
+    from engines.presets import tiny_cpu_model_config
+    from engines.tokenizer import build_tokenizer
+    from engines.train.hf_model import build_reference_model, native_from_reference
+
+    cfg = tiny_cpu_model_config()
+    native = native_from_reference(build_reference_model(cfg, seed=seed))
+    with tempfile.TemporaryDirectory() as tok_dir:
+        build_tokenizer().save_pretrained(tok_dir)
+        kwargs = dict(weight_format="fp8", expert_dtype="fp4", scale_fmt="ue8m0")
+        kwargs.update(save_kwargs)
+        return save_hf_checkpoint(out_dir, cfg, native, tokenizer_dir=tok_dir, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """Path of a random tiny-cpu checkpoint (FP8 linears, FP4 routed experts, UE8M0 scales). Read-only."""
+    return write_random_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
