@@ -188,7 +188,8 @@ class Attention(nn.Module):
         """Sink-softmax attention with K=V. q [B, nh, S, hd], keys [B, L, hd], allowed [B, S, L] -> [B, nh, S, hd]."""
         logits = torch.matmul(q, keys.unsqueeze(1).transpose(-1, -2)) * self.cfg.head_dim ** -0.5
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        sinks = self.attn_sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        # The sink stays fp32, so in bf16 the concatenation promotes and the softmax runs in fp32 (as the reference).
+        sinks = self.attn_sink.view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]

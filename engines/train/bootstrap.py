@@ -16,10 +16,11 @@ on a given machine kind (fixed thread count, seeded batches, seeded sampling).
 from __future__ import annotations
 
 import json
+import os
 import random
-import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -94,12 +95,27 @@ def evaluate_pass_at_k(model: DeepseekV4, tokenizer, rows: list[dict], *, n: int
     return mean_pass_at_k(correct, 1), mean_pass_at_k(correct, n), sum(lengths) / len(lengths)
 
 
+@contextmanager
+def deterministic_torch(threads: int):
+    """Fixed thread count and deterministic kernels for the duration; the caller's settings come back after."""
+    saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+
+
 def bootstrap(out_dir: str | Path, config: BootstrapConfig | None = None, *, log=print) -> dict:
     """Train, evaluate, and write the checkpoint to out_dir (atomically). Returns the summary written beside it."""
     config = config or BootstrapConfig()
-    torch.set_num_threads(config.threads)
-    torch.use_deterministic_algorithms(True)
-    out_dir = Path(out_dir)
+    with deterministic_torch(config.threads):
+        return _bootstrap(Path(out_dir), config, log)
+
+
+def _bootstrap(out_dir: Path, config: BootstrapConfig, log) -> dict:
     cfg = tiny_cpu_model_config()
     tokenizer = build_tokenizer()
     n_pairs = (config.operand_high - config.operand_low + 1) ** 2
@@ -177,8 +193,9 @@ def _write(out_dir: Path, cfg: ModelConfig, native: dict, tokenizer, summary: di
         tokenizer.save_pretrained(tok_dir)
         generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
                       "pad_token_id": cfg.pad_token_id, "do_sample": True, "temperature": 1.0}
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
         save_hf_checkpoint(out_dir, cfg, native, weight_format="fp8", expert_dtype="fp4", scale_fmt="ue8m0",
-                           tokenizer_dir=tok_dir, generation_config=generation)
-    (out_dir / "bootstrap.json").write_text(json.dumps(summary, indent=2) + "\n")
+                           tokenizer_dir=tok_dir, generation_config=generation, overwrite=True)
+    # Written last: its presence marks a finished bootstrap (the demo reuses such a directory).
+    tmp = out_dir / "bootstrap.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out_dir / "bootstrap.json")
