@@ -1,0 +1,437 @@
+"""GRPO with truncated importance sampling (TIS): the algorithm as pure torch functions.
+
+What it does
+    One GRPO step, read top to bottom (the trainer supplies the logprobs):
+
+    1. ``group_advantages(rewards [G, n])``: each sample's reward minus its group's mean,
+       divided by the group's standard deviation (+ eps). Every token of a response gets its
+       sequence's advantage.
+    2. ``tis_weights(train_lp, rollout_lp, mask)``: the rollout engine (FP8) and the trainer
+       (BF16) disagree slightly on token probabilities; tokens were *sampled* from the rollout
+       engine's distribution, so each token's loss is reweighted by
+       ``w = clamp(exp(train_lp - rollout_lp), clip_low, clip_high)`` (detached; Miles
+       ``--use-tis --tis-clip 2 --tis-clip-low 0``).
+    3. ``policy_loss(lp, old_lp, adv, mask, tis_weights=w)``: PPO/DAPO clipped surrogate with
+       the asymmetric "clip-higher" range ``[1 - 0.2, 1 + 0.28]``, times the TIS weight,
+       averaged over every response token of the batch (DAPO token-level mean), plus an
+       optional KL penalty to a reference policy.
+
+    ``GRPOConfig`` holds the algorithm knobs with Miles' defaults for DeepSeek-V4 Flash.
+
+Which logprobs go where (as in Miles / slime)
+    ``old_logprobs`` are the trainer's own logprobs of the rollout tokens under the weights
+    that generated them (recomputed once before the first minibatch; with one optimizer step
+    per rollout they equal ``logprobs.detach()`` and the PPO ratio is exactly 1, so the clip
+    is inert). ``rollout_logprobs`` are the rollout engine's logprobs of the same tokens.
+    TIS corrects the engine mismatch (``old`` vs ``rollout``); the PPO ratio corrects policy
+    staleness across minibatches (``current`` vs ``old``).
+
+What it deliberately leaves out
+    Entropy (the trainer computes it from logits), sequence packing, value functions, GSPO,
+    Dr.GRPO loss variants. Metric names are Miles' without the ``train/`` prefix.
+
+How to run
+    >>> import torch
+    >>> from rl.grpo import group_advantages, policy_loss
+    >>> adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    >>> adv
+    tensor([[ 0.8660, -0.8660, -0.8660,  0.8660]])
+    >>> lp = torch.full((4, 3), -1.0, requires_grad=True)
+    >>> loss, m = policy_loss(lp, lp.detach(), adv[0], torch.ones(4, 3))
+    >>> round(m["pg_loss"], 6), m["pg_clipfrac"]
+    (0.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KL_TYPES",
+    "GRPOConfig",
+    "approx_kl",
+    "group_advantages",
+    "policy_loss",
+    "tis_metrics",
+    "tis_weights",
+]
+
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+"""KL estimators accepted by :func:`approx_kl` (``k3`` and ``low_var_kl`` are the same estimator;
+``low_var_kl`` is additionally clamped to [-10, 10] as verl and Miles do)."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """Algorithm knobs of GRPO + TIS. Defaults follow the seed's Miles recipe for DeepSeek-V4
+    Flash (``--eps-clip 0.2 --eps-clip-high 0.28 --use-tis --tis-clip 2 --tis-clip-low 0
+    --kl-loss-coef 0 --kl-loss-type low_var_kl``) except ``lr``, which is the tiny-cpu value.
+
+    Invalid values raise ``ValueError`` at construction, naming the field and the fix.
+
+    >>> GRPOConfig(n_samples_per_prompt=8).clip_high
+    0.28
+    """
+
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (the group size n). At least 2: the group mean is the
+    baseline, so a group of one has advantage 0 and teaches nothing (and its std is undefined)."""
+
+    clip_low: float = 0.2
+    """PPO ratio lower clip: ratios below ``1 - clip_low`` stop pushing down a token with a
+    negative advantage. In [0, 1)."""
+
+    clip_high: float = 0.28
+    """PPO ratio upper clip (DAPO clip-higher): ratios above ``1 + clip_high`` stop pushing up a
+    token with a positive advantage. Larger than ``clip_low`` so rare good tokens can grow (keeps
+    entropy from collapsing). >= 0."""
+
+    use_tis: bool = True
+    """Reweight each token's loss by the truncated importance ratio between trainer and rollout
+    engine (on by default, as in the seed)."""
+
+    tis_clip_high: float = 2.0
+    """Upper clamp of the TIS weight (Miles ``--tis-clip``). >= 1."""
+
+    tis_clip_low: float = 0.0
+    """Lower clamp of the TIS weight (Miles ``--tis-clip-low``). In [0, 1]."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (0 disables it; then no reference model
+    is needed). >= 0."""
+
+    kl_type: KLType = "low_var_kl"
+    """KL estimator: ``k1`` (log-ratio), ``k2`` (half squared log-ratio), ``k3``/``low_var_kl``
+    (Schulman's non-negative k3; ``low_var_kl`` clamped to [-10, 10])."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO). False gives Dr.GRPO-style
+    mean-centred advantages."""
+
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing (Miles/verl use 1e-6). > 0."""
+
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (no learning signal) and over-sample prompts to
+    refill the batch (DAPO dynamic sampling; see :mod:`rl.dynamic_sampling`)."""
+
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step before dynamic sampling stops refilling, warns and trains on
+    the groups it has. >= 1."""
+
+    lr: float = 1e-4
+    """AdamW learning rate (1e-4 learns on tiny-cpu; the seed used 1e-6 for the 291B model). > 0."""
+
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (Megatron's ``--clip-grad`` default); 0 disables clipping. >= 0."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_samples_per_prompt, bool) or not isinstance(self.n_samples_per_prompt, int):
+            raise ValueError(
+                f"n_samples_per_prompt must be an int, got {self.n_samples_per_prompt!r}"
+            )
+        if self.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"n_samples_per_prompt={self.n_samples_per_prompt}, but GRPO needs at least 2 samples per "
+                "prompt: the group mean is the baseline, so a group of one always has advantage 0 (and no "
+                "std). Set n_samples_per_prompt >= 2 (the seed uses 8)."
+            )
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(
+                f"clip_low={self.clip_low} must lie in [0, 1): the lower ratio bound 1 - clip_low has to stay "
+                "positive. Use 0.2 (PPO/DAPO default)."
+            )
+        if self.clip_high < 0.0:
+            raise ValueError(
+                f"clip_high={self.clip_high} must be >= 0 (the upper ratio bound is 1 + clip_high). Use 0.28 "
+                "(DAPO clip-higher)."
+            )
+        if not 0.0 <= self.tis_clip_low <= 1.0 <= self.tis_clip_high:
+            raise ValueError(
+                f"TIS clamp [tis_clip_low={self.tis_clip_low}, tis_clip_high={self.tis_clip_high}] must contain "
+                "1 with tis_clip_low >= 0: otherwise tokens on which trainer and rollout engine agree exactly "
+                "would still be reweighted. Use tis_clip_low=0.0, tis_clip_high=2.0 (the seed's values)."
+            )
+        if self.kl_coef < 0.0:
+            raise ValueError(f"kl_coef={self.kl_coef} must be >= 0 (0 disables the KL penalty).")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type={self.kl_type!r} is not one of {KL_TYPES}; use 'low_var_kl'.")
+        if not self.adv_eps > 0.0:
+            raise ValueError(
+                f"adv_eps={self.adv_eps} must be > 0: it keeps the advantage finite when a group's std is "
+                "tiny. Use 1e-6."
+            )
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(
+                f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 1 (1 = filter "
+                "without refilling). Set dynamic_sampling=False to turn dynamic sampling off instead."
+            )
+        if not (self.lr > 0.0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr} must be a finite number > 0 (tiny-cpu learns at 1e-4).")
+        if self.max_grad_norm < 0.0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping).")
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def group_advantages(rewards: Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages, one per sample: ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps)``.
+
+    ``rewards`` is ``[G, n]``: G prompts (groups), n samples each. ``std`` is the *unbiased*
+    (Bessel, ``n - 1``) standard deviation, as ``torch.std`` computes it in Miles/slime, verl
+    and TRL, so the values match theirs. With ``normalize_std=False`` the result is just
+    ``r - mean`` (Dr.GRPO). A group whose rewards are all equal gets exactly 0 (no signal),
+    whatever its reward value and float rounding. Computed in float64, returned as float32.
+
+    >>> group_advantages(torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 3.0]]))
+    tensor([[ 0.0000,  0.0000,  0.0000],
+            [-0.5773, -0.5773,  1.1547]])
+    >>> group_advantages(torch.tensor([[0.0, 0.0, 3.0]]), normalize_std=False)
+    tensor([[-1., -1.,  2.]])
+    """
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards must be [num_groups, n_samples_per_prompt], got shape {tuple(rewards.shape)}; "
+            "reshape a flat list with rewards.reshape(-1, n_samples_per_prompt) (samples of one prompt adjacent)"
+        )
+    if rewards.shape[1] < 2:
+        raise ValueError(
+            f"each group needs at least 2 samples for a baseline, got n={rewards.shape[1]}; "
+            "sample n_samples_per_prompt >= 2 responses per prompt"
+        )
+    r = rewards.detach().to(torch.float64)
+    if not torch.isfinite(r).all():
+        bad = (~torch.isfinite(r)).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"non-finite rewards in groups {bad[:10]}: a NaN/inf reward would poison every advantage of its "
+            "group; give unscorable samples a finite reward (e.g. 0) or drop their groups before this call"
+        )
+    centred = r - r.mean(dim=1, keepdim=True)
+    constant = (r.amax(dim=1) == r.amin(dim=1)).unsqueeze(1)
+    centred = torch.where(constant, torch.zeros_like(centred), centred)
+    if normalize_std:
+        centred = centred / (r.std(dim=1, keepdim=True) + eps)
+    return centred.to(torch.float32)
+
+
+# --------------------------------------------------------------------------- TIS
+
+
+def _as_mask(mask: Tensor | None, like: Tensor) -> Tensor:
+    """Boolean mask shaped like ``like`` (all True when ``mask`` is None)."""
+    if mask is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    if mask.shape != like.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != logprobs shape {tuple(like.shape)}")
+    return mask.to(torch.bool)
+
+
+def tis_weights(
+    train_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor | None = None,
+    *,
+    clip_high: float = 2.0,
+    clip_low: float = 0.0,
+) -> tuple[Tensor, float]:
+    """Truncated importance-sampling weights ``w = clamp(exp(train_lp - rollout_lp), clip_low, clip_high)``.
+
+    Per token, detached (the weight rescales the gradient, it is not optimised). Returns
+    ``(weights, clipfrac)``: ``weights`` in float32, 0 at masked-out positions (padding logprobs
+    may be garbage, even inf); ``clipfrac`` is the fraction of unmasked tokens whose raw ratio
+    lay outside ``[clip_low, clip_high]`` (Miles ``train/tis_clipfrac``; 0.0 for an empty mask).
+
+    >>> w, frac = tis_weights(torch.tensor([0.0, 1.0, -0.5]), torch.tensor([0.0, 0.0, 0.0]))
+    >>> w, round(frac, 4)
+    (tensor([1.0000, 2.0000, 0.6065]), 0.3333)
+    """
+    if train_logprobs.shape != rollout_logprobs.shape:
+        raise ValueError(
+            f"train_logprobs shape {tuple(train_logprobs.shape)} != rollout_logprobs shape "
+            f"{tuple(rollout_logprobs.shape)}: both must score the same response tokens"
+        )
+    if not 0.0 <= clip_low <= clip_high:
+        raise ValueError(f"need 0 <= clip_low <= clip_high, got clip_low={clip_low}, clip_high={clip_high}")
+    m = _as_mask(mask, train_logprobs)
+    with torch.no_grad():
+        raw = torch.exp(train_logprobs.detach().float() - rollout_logprobs.detach().float())
+        w = raw.clamp(min=clip_low, max=clip_high)
+        clipped = (raw < clip_low) | (raw > clip_high) | torch.isnan(raw)
+        n = int(m.sum())
+        clipfrac = float((clipped & m).sum()) / n if n else 0.0
+        w = torch.where(m, w, torch.zeros_like(w))
+    return w, clipfrac
+
+
+def tis_metrics(
+    train_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor | None = None,
+    *,
+    clip_high: float = 2.0,
+    clip_low: float = 0.0,
+) -> dict[str, float]:
+    """Train-vs-rollout mismatch metrics over unmasked tokens, Miles names without ``train/``:
+
+    ``tis`` (mean raw ratio ``exp(train_lp - rollout_lp)``), ``tis_clipfrac`` (share outside the
+    clamp), ``tis_abs`` (mean ``|ratio - 1|``), ``train_rollout_logprob_abs_diff`` (mean
+    ``|train_lp - rollout_lp|``). All 0.0 for an empty mask.
+
+    >>> tis_metrics(torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0]))
+    {'tis': 1.0, 'tis_clipfrac': 0.0, 'tis_abs': 0.0, 'train_rollout_logprob_abs_diff': 0.0}
+    """
+    _, clipfrac = tis_weights(train_logprobs, rollout_logprobs, mask, clip_high=clip_high, clip_low=clip_low)
+    m = _as_mask(mask, train_logprobs)
+    with torch.no_grad():
+        diff = (train_logprobs.detach().double() - rollout_logprobs.detach().double())[m]
+        if diff.numel() == 0:
+            return {"tis": 0.0, "tis_clipfrac": 0.0, "tis_abs": 0.0, "train_rollout_logprob_abs_diff": 0.0}
+        ratio = diff.exp()
+        return {
+            "tis": float(ratio.mean()),
+            "tis_clipfrac": clipfrac,
+            "tis_abs": float((ratio - 1.0).abs().mean()),
+            "train_rollout_logprob_abs_diff": float(diff.abs().mean()),
+        }
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kl_type: str = "low_var_kl") -> Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from sampled-token logprobs (Schulman's k1/k2/k3).
+
+    With ``d = ref_lp - lp``: ``k1 = -d``, ``k2 = d**2 / 2``, ``k3 = exp(d) - 1 - d`` (non-negative,
+    unbiased, low variance). ``low_var_kl`` is k3 with ``d`` clamped to [-20, 20] before ``exp``
+    and the result clamped to [-10, 10], as verl's ``low_var_kl`` (Miles clamps the result too).
+
+    >>> approx_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
+    tensor([0.0000, 0.7183])
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type={kl_type!r} is not one of {KL_TYPES}")
+    d = ref_logprobs.float() - logprobs.float()
+    if kl_type == "k1":
+        return -d
+    if kl_type == "k2":
+        return 0.5 * d * d
+    if kl_type == "low_var_kl":
+        d = d.clamp(min=-20.0, max=20.0)
+        return (torch.exp(d) - 1.0 - d).clamp(min=-10.0, max=10.0)
+    return torch.exp(d) - 1.0 - d
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    tis_weights: Tensor | None = None,
+    kl_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
+    kl_type: str = "low_var_kl",
+    loss_denominator: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO surrogate (DAPO clip-higher, token-level mean), optionally TIS-weighted, plus KL.
+
+    Per response token t, with ``ratio = exp(lp - old_lp)`` and advantage ``A``::
+
+        pg_t   = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)) * w_t
+        kl_t   = approx_kl(lp, ref_lp, kl_type)                      (only with ref_logprobs)
+        loss   = sum_t mask_t * pg_t / D  +  kl_coef * sum_t mask_t * kl_t / D
+
+    where ``w_t`` are the TIS weights (1 when None) and ``D`` is the number of unmasked tokens
+    in the whole batch (DAPO token-level mean: long responses weigh in proportion to their
+    length) or ``loss_denominator`` when given. Pass the token count of the full minibatch as
+    ``loss_denominator`` when accumulating gradients over micro-batches, so the summed
+    micro-batch losses (and metrics) equal the minibatch's token mean.
+
+    Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (and ``tis_weights``, ``ref_logprobs``) are
+    the same shape, e.g. ``[B, T]`` padded or ``[N]`` packed. ``advantages`` is per token (same
+    shape) or per sequence (``[B]`` for ``[B, T]``, broadcast along T). Masked-out positions
+    never reach the loss or its gradient, even when they hold NaN/inf.
+
+    Returns ``(loss, metrics)``; ``loss`` is a 0-dim float32 tensor with grad; ``metrics`` are
+    floats with Miles names without ``train/``: ``loss``, ``pg_loss``, ``pg_clipfrac`` (share of
+    tokens where the clipped branch is taken), ``ppo_kl`` (mean ``old_lp - lp``), and ``kl_loss``
+    when ``ref_logprobs`` is given.
+
+    >>> lp = torch.zeros(1, 2, requires_grad=True)
+    >>> loss, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[1, 0]]))
+    >>> loss.backward(); lp.grad
+    tensor([[-1.,  0.]])
+    """
+    if old_logprobs.shape != logprobs.shape:
+        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    m = _as_mask(mask, logprobs)
+    if advantages.dim() == logprobs.dim() - 1 and advantages.shape == logprobs.shape[:-1]:
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != logprobs.shape:
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} fits neither per token {tuple(logprobs.shape)} nor per "
+            f"sequence {tuple(logprobs.shape[:-1])}"
+        )
+    if tis_weights is not None and tis_weights.shape != logprobs.shape:
+        raise ValueError(f"tis_weights shape {tuple(tis_weights.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if kl_coef < 0.0:
+        raise ValueError(f"kl_coef={kl_coef} must be >= 0")
+    if kl_coef > 0.0 and ref_logprobs is None:
+        raise ValueError(
+            f"kl_coef={kl_coef} > 0 needs ref_logprobs (the reference model's logprobs of the same tokens); "
+            "pass them or set kl_coef=0"
+        )
+    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
+        raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+
+    lp = logprobs.float()
+    adv = advantages.detach().float()
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    if loss_denominator is None:
+        denom = m.sum().clamp(min=1).to(lp.dtype)
+    else:
+        if not loss_denominator > 0:
+            raise ValueError(f"loss_denominator={loss_denominator} must be > 0 (the minibatch's token count)")
+        denom = torch.tensor(float(loss_denominator), dtype=lp.dtype, device=lp.device)
+
+    def masked_sum(x: Tensor) -> Tensor:
+        return torch.where(m, x, zero).sum()
+
+    log_ratio = lp - old_logprobs.detach().float()
+    ratio = torch.exp(torch.where(m, log_ratio, zero))
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    if tis_weights is not None:
+        pg = pg * tis_weights.detach().float()
+    pg_loss = masked_sum(pg) / denom
+    loss = pg_loss
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": float(pg_loss.detach()),
+            "pg_clipfrac": float(masked_sum((pg2 > pg1).float()) / denom),
+            "ppo_kl": float(masked_sum(-log_ratio) / denom),
+        }
+    if ref_logprobs is not None:
+        # Masked positions go in as 0 - 0 so garbage there cannot turn the gradient into NaN.
+        kl = approx_kl(torch.where(m, lp, zero), torch.where(m, ref_logprobs.detach().float(), zero), kl_type)
+        kl_loss = masked_sum(kl) / denom
+        if kl_coef > 0.0:
+            loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = float(kl_loss.detach())
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
