@@ -65,11 +65,12 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 
 @app.command()
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
-         seed: int = typer.Option(0)) -> None:
+         seed: int = typer.Option(0),
+         fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one.")) -> None:
     """Run what exists so far on the tiny model and say what is not built yet."""
     from v4rl.demo import run_demo
 
-    sys.exit(run_demo(workdir, seed=seed))
+    sys.exit(run_demo(workdir, seed=seed, fresh=fresh))
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.

@@ -1,6 +1,7 @@
 """`v4rl demo`: the tiny-cpu path as far as it is built.
 
-1. bootstrap the tiny DeepSeek-V4 base checkpoint (FP8 + FP4 experts), unless the work dir has one;
+1. take the tiny DeepSeek-V4 base checkpoint (FP8 + FP4 experts): the committed asset that
+   `v4rl bootstrap --seed 0` reproduces byte for byte, or a fresh bootstrap with `--fresh`;
 2. load it in our engine and in transformers' reference, sample held-out answers with our engine and
    score the same tokens under both (per-token |Δlogprob|);
 3. report held-out pass@1 / pass@8;
@@ -25,7 +26,10 @@ NOT_BUILT = [
 ]
 
 
-def run_demo(workdir: Path, *, seed: int = 0) -> int:
+ASSET = Path(__file__).resolve().parent.parent / "tests" / "assets" / "tiny-base"
+
+
+def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False) -> int:
     from engines.rollout.sampling import SamplingParams, generate
     from engines.score import load_ours, load_reference, token_logprobs
     from engines.train.bootstrap import BootstrapConfig, bootstrap, evaluate_pass_at_k
@@ -33,7 +37,11 @@ def run_demo(workdir: Path, *, seed: int = 0) -> int:
 
     console = Console()
     base = workdir / "base"
-    if (base / "bootstrap.json").exists():
+    if not fresh and seed == 0 and (ASSET / "bootstrap.json").exists():
+        base = ASSET
+        console.print(f"[bold]1. base checkpoint[/]: {base} (committed; `v4rl bootstrap --out DIR --seed 0` "
+                      "rebuilds it byte for byte in a few minutes; `v4rl demo --fresh` does that here)")
+    elif (base / "bootstrap.json").exists() and not fresh:
         console.print(f"[bold]1. base checkpoint[/]: reusing {base}")
     else:
         console.print(f"[bold]1. base checkpoint[/]: bootstrapping the tiny model into {base}")
