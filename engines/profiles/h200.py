@@ -1,0 +1,49 @@
+"""NVIDIA H200 (sm_90, 141 GB HBM3e, NVLink): the hardware of Miles' own DeepSeek-V4 recipe (8 x 8 GPUs).
+
+Not validated by our seed. The PyTorch flight-recorder settings are backend-independent, so they carry over
+from the MI355X run; the ROCm-only knobs (GPU_MAX_HW_QUEUES, RoCE GID index) and the RCCL chunk-size tuning
+do not. The backends are Miles' NVIDIA path (scripts/run_deepseek_v4.py), described, not measured here.
+"""
+
+from __future__ import annotations
+
+from engines.profiles import Backend, HardwareProfile
+
+H200 = HardwareProfile(
+    name="h200",
+    accelerator="NVIDIA H200",
+    arch="sm_90",
+    vendor="nvidia",
+    hbm_gb=141.0,
+    gpus_per_node=8,
+    host_memory_gb=2048.0,  # DGX/HGX H200 ship 2 TB
+    intra_node_gbps=450.0,  # NVLink 4: 900 GB/s bidirectional per GPU
+    inter_node_gbps=50.0,  # one 400 Gb/s InfiniBand NIC per GPU
+    collective_backend="nccl",
+    fp8_dtype="e4m3fn",
+    comm_env={},
+    site_env=("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_HCA"),
+    launcher_env={
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "200000",
+        "TORCH_FR_BUFFER_SIZE": "200000",
+        "TORCH_NCCL_DESYNC_DEBUG": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/root/shared_data/nccl_fr_trace_",
+    },
+    backends={
+        "hybrid_attention": Backend(rollout="SGLang dsv4 attention backend, CUDA branch (FlashMLA / TRT-LLM kernels)",
+                                    training="Miles DeepSeek-V4 attention (TileLang sparse-MLA and indexer kernels)",
+                                    why="same semantics as the ROCm path through CUDA kernels"),
+        "moe_routing": Backend(rollout="SGLang FP8 MoE", training="Megatron MoE and router path",
+                               why="hash routing must match across engines"),
+        "online_weight_update": Backend(rollout="distributed weight update + begin/end_weight_update",
+                                        training="Miles broadcast update from the BF16 actor",
+                                        why="rebuilds FP8 runtime state after each update"),
+    },
+    docker_image=None,
+    python="python3",
+    miles_launcher="scripts/run_deepseek_v4.py",
+    workspace="/root/miles",
+    notes="Miles' recipe: TP8 PP8 EP8 on 64 GPUs (legal only through MoE parallel folding); not run by us.",
+)

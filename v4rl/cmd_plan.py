@@ -1,0 +1,167 @@
+"""`v4rl plan`: check a parallel layout before a cluster is spent; show its memory, traffic and launch plan.
+
+    v4rl plan --preset dsv4-flash-mi355x                      # the seed's layout: tables, exit 0
+    v4rl plan --preset dsv4-flash-mi355x --pp 4 --json        # 43 layers on 4 stages without --pp-last: exit 2
+    v4rl plan --preset dsv4-flash-mi355x --rank 5             # the 5 feasible layouts with least communication
+    v4rl plan --preset dsv4-flash-mi355x --launch --head-ip 10.0.0.1 --ifname ens50f0 --ib-hca rdma0,rdma1
+
+Exit codes: 0 feasible, 2 infeasible, 1 bad input. Library: engines.launch.preflight_plan / launch_plan.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import typer
+
+FEASIBLE, INFEASIBLE, BAD_INPUT = 0, 2, 1
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `plan` command to the v4rl app."""
+    app.command(name="plan")(plan)
+
+
+def plan(
+    preset: str = typer.Option("dsv4-flash-mi355x", help="Run preset: dsv4-flash-mi355x | tiny-cpu."),
+    profile: Optional[str] = typer.Option(None, help="Hardware profile override: mi355x | h200 | cpu."),
+    model_config: Optional[str] = typer.Option(None, help="Plan this HF config.json instead of the preset's model."),
+    tp: Optional[int] = typer.Option(None, help="--tensor-model-parallel-size."),
+    pp: Optional[int] = typer.Option(None, help="--pipeline-model-parallel-size (clears the preset's stage sizes)."),
+    ep: Optional[int] = typer.Option(None, help="--expert-model-parallel-size."),
+    etp: Optional[int] = typer.Option(None, help="--expert-tensor-parallel-size."),
+    cp: Optional[int] = typer.Option(None, help="--context-parallel-size."),
+    pp_first: Optional[int] = typer.Option(None, help="--decoder-first-pipeline-num-layers."),
+    pp_last: Optional[int] = typer.Option(None, help="--decoder-last-pipeline-num-layers."),
+    nodes: Optional[int] = typer.Option(None, help="Nodes in the cluster (--num-nodes)."),
+    rollout_nodes: Optional[int] = typer.Option(None, help="Rollout nodes (0 = colocated); the actor gets the rest."),
+    gpus_per_node: Optional[int] = typer.Option(None, help="Accelerators per node."),
+    hbm_gb: Optional[float] = typer.Option(None, help="Device memory per accelerator, GB."),
+    host_memory_gb: Optional[float] = typer.Option(None, help="Host RAM per node, GB (optimizer offload)."),
+    max_tokens_per_gpu: Optional[int] = typer.Option(None, help="--max-tokens-per-gpu."),
+    recompute: Optional[str] = typer.Option(None, help="full | selective | none."),
+    optimizer_offload: Optional[float] = typer.Option(None, help="Fraction of Adam state in host RAM (0..1)."),
+    sglang_tp: Optional[int] = typer.Option(None, help="GPUs (TP) per SGLang engine."),
+    sglang_ep: Optional[int] = typer.Option(None, help="SGLang EP."),
+    sglang_dp: Optional[int] = typer.Option(None, help="SGLang DP attention."),
+    max_running_requests: Optional[int] = typer.Option(None, help="--sglang-max-running-requests."),
+    max_total_tokens: Optional[int] = typer.Option(None, help="--sglang-max-total-tokens."),
+    context_length: Optional[int] = typer.Option(None, help="--context-length."),
+    mem_fraction_static: Optional[float] = typer.Option(None, help="--sglang-mem-fraction-static."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+    launch: bool = typer.Option(False, "--launch", help="Print the launch plan (processes per node) as JSON."),
+    rank: int = typer.Option(0, help="Also rank this many feasible alternative layouts by communication."),
+    head_ip: Optional[str] = typer.Option(None, help="Launch plan: $HEAD_IP."),
+    worker_ip: list[str] = typer.Option([], help="Launch plan: worker IPs in order (repeat)."),
+    ifname: Optional[str] = typer.Option(None, help="Launch plan: NCCL/GLOO/TP_SOCKET_IFNAME."),
+    ib_hca: Optional[str] = typer.Option(None, help="Launch plan: NCCL_IB_HCA."),
+    hf_checkpoint: Optional[str] = typer.Option(None, help="Launch plan: FP8 HF dir (--hf-checkpoint)."),
+    ref_load: Optional[str] = typer.Option(None, help="Launch plan: our torch_dist dir (--ref-load)."),
+    save_dir: Optional[str] = typer.Option(None, help="Launch plan: Miles --save/--load dir."),
+) -> None:
+    """Check a parallel layout (Megatron + SGLang rules, per-GPU memory, traffic); exit 0 feasible, 2 not."""
+    from engines.launch import preflight_plan, resolve
+    from engines.layout import rank_layouts
+
+    overrides = dict(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, pp_first=pp_first, pp_last=pp_last, nodes=nodes,
+                     rollout_nodes=rollout_nodes, gpus_per_node=gpus_per_node, hbm_gb=hbm_gb,
+                     host_memory_gb=host_memory_gb, max_tokens_per_gpu=max_tokens_per_gpu, recompute=recompute,
+                     optimizer_offload=optimizer_offload, sglang_tp=sglang_tp, sglang_ep=sglang_ep,
+                     sglang_dp=sglang_dp, max_running_requests=max_running_requests,
+                     max_total_tokens=max_total_tokens, context_length=context_length, profile=profile,
+                     model_config=model_config, mem_fraction_static=mem_fraction_static)
+    try:
+        if recompute not in (None, "full", "selective", "none"):
+            raise ValueError(f"--recompute must be full, selective or none (got {recompute!r})")
+        result = preflight_plan(preset, overrides, raise_on_infeasible=False)
+        alternatives = rank_layouts(resolve(preset, overrides)[1], rank) if rank > 0 else []
+        launch_obj = _launch(preset, overrides, head_ip, worker_ip, ifname, ib_hca, hf_checkpoint, ref_load,
+                             save_dir) if launch else None
+
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=BAD_INPUT)
+    code = FEASIBLE if result.feasible else INFEASIBLE
+    if json_out or launch:
+        obj: dict[str, Any] = result.to_json() if json_out else {}
+        if alternatives:
+            obj["alternatives"] = [_summary(p) for p in alternatives]
+        if launch_obj is not None:
+            obj = {**obj, "launch": launch_obj} if json_out else launch_obj
+        typer.echo(json.dumps(obj, indent=1))
+    else:
+        _print_tables(preset, result, alternatives)
+    raise typer.Exit(code=code)
+
+
+def _launch(preset: str, overrides: dict, head_ip, worker_ip, ifname, ib_hca, hf_checkpoint, ref_load,
+            save_dir) -> dict:
+    import dataclasses
+
+    from engines.launch import Site, launch_plan, resolve
+    from engines.profiles import get_profile
+    from engines.train.miles import MilesJob
+
+    eff, _ = resolve(preset, overrides)
+    job = MilesJob.placeholder(eff, get_profile(eff.profile))
+    job = dataclasses.replace(job, **{k: v for k, v in dict(hf_checkpoint=hf_checkpoint, ref_load=ref_load,
+                                                            save_dir=save_dir).items() if v})
+    site = Site(head_ip=head_ip, worker_ips=tuple(worker_ip), socket_ifname=ifname, ib_hca=ib_hca)
+    return launch_plan(preset, overrides, site=site, job=job)
+
+
+def _summary(p) -> dict[str, Any]:
+    j = p.to_json()
+    return {"layout": j["layout"], "memory_gb_per_gpu": j["memory_gb_per_gpu"],
+            "comm_seconds_per_step": j["communication"]["total_seconds"] if j["communication"] else None}
+
+
+def _print_tables(preset: str, p, alternatives: list) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = Console(width=max(Console().width, 120))
+    j, c = p.to_json(), p.input.cluster
+    lay = j["layout"]
+    con.print(f"[bold]{preset}[/]: {c.nodes} nodes x {c.gpus_per_node} ({c.actor_nodes} actor, "
+              f"{'colocated' if c.colocated else f'{c.rollout_nodes} rollout'}), {c.hbm_gb:g} GB per GPU")
+    con.print(escape(f"layout: TP{lay['tp']} PP{lay['pp']} EP{lay['ep']} ETP{lay['etp']} CP{lay['cp']} -> "
+                     f"DP{lay['dp']} EDP{lay['edp']}, stages {lay['pipeline_layers']}"))
+    if p.stages:
+        t = Table(title="actor memory per GPU (GB, estimates)")
+        for col in ("stage", "layers", "params", "grads", "optim", "optim@host", "activ", "logits", "reserve",
+                    "total", "capacity"):
+            t.add_column(col, justify="right")
+        for s in p.stages:
+            t.add_row(str(s.stage), str(s.layers), *(f"{v:,.1f}" for v in (
+                s.params, s.grads, s.optimizer, s.optimizer_host, s.activations, s.logits, s.reserve, s.total,
+                c.hbm_gb)))
+        con.print(t)
+    if p.rollout:
+        r = p.rollout
+        con.print(f"rollout per GPU: weights {r.weights:,.1f} + KV {r.kv_cache:,.2f} ({r.kv_bytes_per_token:,.0f} "
+                  f"B/token) + request state {r.request_state:,.2f} + reserve {r.reserve:,.1f} = {r.total:,.1f} GB")
+    if p.host_gb_per_node:
+        con.print(f"host RAM per actor node: {p.host_gb_per_node:,.0f} of {c.host_memory_gb:,.0f} GB")
+    if p.comm:
+        parts = ", ".join(f"{k} {v:.2f}s" for k, v in p.comm.seconds.items() if v)
+        con.print(escape(f"communication per step (est.): {p.comm.total_seconds:.2f}s [{parts or 'none'}]; "
+                         f"{p.comm.micro_batches} micro-batches; cross-node: {', '.join(p.comm.cross_node) or 'none'}"))
+    for w in p.warnings:
+        con.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
+    for reason in p.reasons:
+        con.print(f"[red]rejected[/] {escape(reason)}", highlight=False)
+    if alternatives:
+        t = Table(title="feasible layouts, least communication first")
+        for col in ("TP", "PP", "EP", "ETP", "CP", "stages", "actor GB", "rollout GB", "comm s/step"):
+            t.add_column(col, justify="right")
+        for alt in alternatives:
+            s = _summary(alt)
+            lo = s["layout"]
+            t.add_row(*(str(lo[k]) for k in ("tp", "pp", "ep", "etp", "cp")), escape(str(lo["pipeline_layers"])),
+                      f"{s['memory_gb_per_gpu']['actor']:,.0f}", f"{s['memory_gb_per_gpu']['rollout']:,.0f}",
+                      f"{s['comm_seconds_per_step']:.2f}")
+        con.print(t)
+    con.print("[green]feasible[/]" if p.feasible else "[red]infeasible[/]")
