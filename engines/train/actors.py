@@ -1,0 +1,128 @@
+"""The two sides of a run as plain classes that Ray hosts as actors (engines/train/cluster.py places them):
+
+  TrainerWorker   transformers trainer (BF16 autocast, fp32 master, AdamW): GRPO steps, weight export as an
+                  HF FP8 + FP4 directory, training checkpoints (torch_dist weights + optimizer/RNG/cursor).
+  RolloutWorker   our rollout engine behind its SGLang-compatible HTTP server on 127.0.0.1; the driver talks
+                  to it over real HTTP (HTTPRollout), exactly as it would talk to real SGLang.
+
+Nothing here imports Ray: the classes also run in-process (tests, `v4rl train --no-ray`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+from engines.train.checkpointing import latest_step, load_training_checkpoint, save_training_checkpoint
+from engines.train.trainer import Sample, Trainer, TrainerConfig
+from rl.grpo import GRPOConfig
+from rl.loop import Completion, Group
+
+
+class TrainerWorker:
+    def __init__(self, base_dir: str, trainer_config: dict, grpo_config: dict, checkpoint_root: str,
+                 seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.base_dir = Path(base_dir)
+        self.cfg, native = load_hf_checkpoint(base_dir)
+        self.trainer = Trainer.from_native(self.cfg, native, TrainerConfig(**trainer_config))
+        self.grpo = GRPOConfig(**grpo_config)
+        self.checkpoint_root = Path(checkpoint_root)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def resume(self) -> dict[str, Any]:
+        """Load the latest training checkpoint if there is one; returns its step and extra state (or step 0)."""
+        step = latest_step(self.checkpoint_root)
+        if step is None:
+            return {"step": 0, "extra": {}}
+        state = load_training_checkpoint(self.checkpoint_root, step, self.cfg)
+        self.trainer.model.load_state_dict(_to_transformers(state["master"], self.cfg), strict=False)
+        self.trainer.load_state(state["trainer"])
+        torch.set_rng_state(state["rng"])
+        return {"step": step, "extra": state["extra"]}
+
+    def train_step(self, groups: list[Group], advantages: list[list[float]]) -> dict[str, float]:
+        samples = [Sample(g.prompt_ids, c.output_ids, c.output_logprobs, r, gi, advantage=a)
+                   for gi, (g, adv) in enumerate(zip(groups, advantages))
+                   for c, r, a in zip(g.completions, g.rewards, adv)]
+        return self.trainer.grpo_step(samples, self.grpo)
+
+    def export(self, path: str) -> None:
+        """Updated weights in the rollout format (HF FP8 linears + FP4 experts, UE8M0), written atomically."""
+        out = Path(path)
+        with tempfile.TemporaryDirectory() as tok:
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (self.base_dir / name).exists():
+                    shutil.copy(self.base_dir / name, tok)
+            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(), weight_format="fp8", expert_dtype="fp4",
+                               scale_fmt="ue8m0", tokenizer_dir=tok, overwrite=True)
+
+    def save(self, step: int, extra: dict) -> str:
+        return str(save_training_checkpoint(self.checkpoint_root, step, self.cfg, self.trainer.native_state(),
+                                            trainer_state=self.trainer.state(), rng=torch.get_rng_state(),
+                                            extra=extra))
+
+    def parameter_fingerprint(self) -> float:
+        """A cheap scalar that changes whenever any weight changes (tests)."""
+        return float(sum(p.detach().double().abs().sum() for p in self.trainer.model.parameters()))
+
+
+def _to_transformers(native: dict, cfg) -> dict:
+    from checkpoints.names import native_to_transformers
+
+    return native_to_transformers(native, cfg)
+
+
+class RolloutWorker:
+    """Our engine + its HTTP server on 127.0.0.1 in this process; `url()` is what the driver talks to."""
+
+    def __init__(self, model_dir: str, engine_config: dict | None = None, api_key: str | None = None) -> None:
+        from engines.rollout.engine import EngineConfig, RolloutEngine
+        from engines.rollout.server import RolloutServer
+
+        self.engine = RolloutEngine(model_dir, EngineConfig(**(engine_config or {})))
+        self.server = RolloutServer(self.engine, host="127.0.0.1", port=0, api_key=api_key).start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class HTTPRollout:
+    """The loop's Rollout over SGLang's HTTP API (our server or real SGLang): generate, then update + gate."""
+
+    def __init__(self, client, *, fidelity_probe: list[list[int]] | None = None) -> None:
+        self.client = client
+        self.fidelity_probe = fidelity_probe or []
+
+    def generate(self, prompts, *, n: int, temperature: float, max_new_tokens: int, seed: int) -> list[list[Completion]]:
+        params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "n": n, "sampling_seed": seed}
+        outs = self.client.generate_ids(prompts, params, return_logprob=True)
+        if len(outs) != len(prompts) * n:
+            raise RuntimeError(f"rollout returned {len(outs)} outputs for {len(prompts)} prompts x n={n}")
+        done = [Completion(o.output_ids, o.output_logprobs, o.finish_type) for o in outs]
+        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def load_weights(self, path: str, version: str) -> dict[str, Any]:
+        """Update from disk while generation is paused; the server rebuilds runtime state before resuming."""
+        self.client.pause_generation("in_place")
+        try:
+            self.client.begin_weight_update()
+            result = self.client.update_weights_from_disk(path, weight_version=version)
+            self.client.end_weight_update()
+        finally:
+            self.client.continue_generation()
+        return result if isinstance(result, dict) else {"result": result}

@@ -1,0 +1,139 @@
+"""Ray for a run: a loopback-only local cluster by default (or `RAY_ADDRESS` to join one), a placement group
+that holds the rollout worker and the trainer, and actors named per run so that a retried task reattaches
+to live ones (or recreates dead ones). Every remote call goes through `call()`, which has a timeout.
+
+    with ray_session() as info:
+        actors = RunActors.create(run_key, base_dir=..., ...)
+        url = call(actors.rollout.url, timeout=60)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+LOCAL_RAY_ENV = {
+    # One machine, everything on 127.0.0.1 (without this Ray binds and dials the machine's external address).
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
+DEFAULT_CALL_TIMEOUT_S = 600.0
+
+
+class RemoteCallTimeout(TimeoutError):
+    pass
+
+
+@contextlib.contextmanager
+def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
+    """Connect to RAY_ADDRESS if set, else start a loopback-only local cluster; shut down what we started."""
+    import ray
+
+    if ray.is_initialized():
+        yield {"address": "existing", "started": False}
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        started = False
+    else:
+        os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()})
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, runtime_env={"env_vars": {**LOCAL_RAY_ENV, "PYTHONPATH": _pythonpath()}})
+        started = True
+    try:
+        yield {"address": address or "local", "started": started}
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _pythonpath() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
+def call(method, *args, timeout: float = DEFAULT_CALL_TIMEOUT_S, what: str | None = None, **kwargs):
+    """`ray.get(actor.method.remote(...), timeout=...)` with an error that names the call when it times out."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    ref = method.remote(*args, **kwargs)
+    try:
+        return ray.get(ref, timeout=timeout)
+    except GetTimeoutError as exc:
+        ray.cancel(ref, force=True)
+        raise RemoteCallTimeout(f"{what or method} did not finish within {timeout:.0f}s; the actor may be hung "
+                                "(see its log above); the task can be retried and resumes from the last checkpoint") from exc
+
+
+@dataclass
+class RunActors:
+    trainer: Any
+    rollout: Any
+    placement_group: Any
+
+    @classmethod
+    def create(cls, run_key: str, *, trainer_args: dict, rollout_args: dict, trainer_cpus: float = 1.0,
+               rollout_cpus: float = 1.0, timeout: float = 300.0) -> "RunActors":
+        """Named actors `v4rl-<run_key>-{trainer,rollout}` in one placement group; reattach when alive."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from engines.train.actors import RolloutWorker, TrainerWorker
+
+        names = {"trainer": f"v4rl-{run_key}-trainer", "rollout": f"v4rl-{run_key}-rollout"}
+        existing = {k: _live_actor(n) for k, n in names.items()}
+        if all(existing.values()):
+            return cls(existing["trainer"], existing["rollout"], None)
+        for actor in existing.values():  # a half-alive pair is recreated whole: state must match
+            if actor is not None:
+                ray.kill(actor)
+        pg = placement_group([{"CPU": rollout_cpus}, {"CPU": trainer_cpus}], strategy="PACK",
+                             name=f"v4rl-{run_key}")
+        if not pg.wait(timeout_seconds=int(timeout)):
+            raise RemoteCallTimeout(f"placement group for run {run_key} (rollout {rollout_cpus} CPU + trainer "
+                                    f"{trainer_cpus} CPU) was not scheduled within {timeout:.0f}s; "
+                                    "the cluster lacks the resources")
+        rollout = ray.remote(RolloutWorker).options(
+            name=names["rollout"], num_cpus=rollout_cpus, max_concurrency=4, lifetime="detached",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(**rollout_args)
+        trainer = ray.remote(TrainerWorker).options(
+            name=names["trainer"], num_cpus=trainer_cpus, lifetime="detached",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1),
+        ).remote(**trainer_args)
+        call(rollout.ping, timeout=timeout, what="starting the rollout worker")
+        call(trainer.ping, timeout=timeout, what="starting the trainer")
+        return cls(trainer, rollout, pg)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            call(self.rollout.stop, timeout=60, what="stopping the rollout worker")
+        for actor in (self.trainer, self.rollout):
+            ray.kill(actor)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+
+
+def _live_actor(name: str):
+    import ray
+
+    try:
+        actor = ray.get_actor(name)
+    except ValueError:
+        return None
+    try:
+        ray.get(actor.ping.remote(), timeout=30)
+    except Exception:  # a dead or unreachable actor is recreated; the caller logs the recreation
+        ray.kill(actor)
+        return None
+    return actor

@@ -1,0 +1,168 @@
+"""A GRPO training run on the embedded engines: rollout worker (our engine behind its SGLang-compatible
+HTTP server) and trainer, as Ray actors in one placement group, driven by the loop in rl/loop.py.
+
+Resumable: the trainer reloads the latest checkpoint (weights, optimizer, RNG, data cursor = step), the
+rollout engine is brought to the same weights, metrics past that step are dropped, and the loop goes on
+from the next step with the same prompts it would have used. `run_training(..., until=K)` stops after
+step K so a caller (the Prefect flow) can run a long job as retryable segments.
+
+    v4rl train --preset tiny-cpu --steps 100 --out runs/grpo
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from engines.train.runlog import RunLog
+from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
+
+DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
+
+
+@dataclass(kw_only=True)
+class TrainRunConfig:
+    base: str = str(DEFAULT_BASE)
+    """HF FP8 checkpoint to start from (the rollout engine serves it; the trainer loads it in BF16)."""
+    steps: int = 100
+    """GRPO steps of the whole run."""
+    save_interval: int = 10
+    """Training checkpoint every this many steps (and at the last step)."""
+    n_eval: int = 200
+    """Held-out problems per evaluation (disjoint from the training prompts)."""
+    n_train: int = 4000
+    """Training problems the step schedule cycles through."""
+    lr: float = 1e-4
+    max_tokens_per_gpu: int = 8192
+    recompute: bool = False
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(dynamic_sampling=False))
+    use_ray: bool = True
+    """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
+    call_timeout_s: float = 900.0
+    """Timeout of every remote call (a step, an export, a weight update)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _task_data(config: TrainRunConfig, tokenizer):
+    from rl.math_task import make_splits
+
+    train_rows, eval_rows = make_splits(config.n_train, config.n_eval, config.loop.seed)
+    encode = lambda text: [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    return ([encode(r["prompt"]) for r in train_rows], [r["label"] for r in train_rows],
+            [encode(r["prompt"]) for r in eval_rows], [r["label"] for r in eval_rows])
+
+
+def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | None = None,
+                 log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (or resume) the run in run_dir up to step `until` (default: config.steps)."""
+    from transformers import AutoTokenizer
+
+    from engines.rollout.sglang import SGLangClient
+    from engines.train.actors import HTTPRollout, RolloutWorker, TrainerWorker
+    from rl.rewards import math_reward
+
+    runlog = RunLog(run_dir)
+    runlog.write_config(config.to_dict())
+    last = min(until or config.steps, config.steps)
+    tokenizer = AutoTokenizer.from_pretrained(config.base)
+    prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    reward = lambda text, label: math_reward(text, label, literal_only=True)  # noqa: E731
+    trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
+                        trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
+                                        "recompute": config.recompute},
+                        grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
+                                     "dynamic_sampling": config.loop.dynamic_sampling},
+                        seed=config.loop.seed)
+    with _workers(config, Path(run_dir).name, trainer_args, {"model_dir": config.base}) as (trainer, rollout_url, call):
+        client = SGLangClient(rollout_url, timeout=config.call_timeout_s)
+        rollout = HTTPRollout(client)
+        resumed = call(trainer.resume, "resuming the trainer")
+        start = resumed["step"]
+        dropped = runlog.truncate_after(start)
+        if start:
+            log(f"resuming at step {start + 1} (checkpoint step {start}; dropped {dropped} metric rows past it)")
+            _sync(call, trainer, rollout, Path(run_dir), start)
+        if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:
+            runlog.write_eval(0, evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
+                                          max_new_tokens=config.loop.max_new_tokens, decode=decode,
+                                          reward_fn=reward, seed=config.loop.seed + 99))
+        for step in range(start + 1, last + 1):
+            t0 = time.monotonic()
+            groups, metrics = rollout_step(step, rollout=rollout, prompts=prompts, labels=labels,
+                                           config=config.loop, decode=decode, reward_fn=reward)
+            t1 = time.monotonic()
+            metrics.update(call(trainer.train_step, "a GRPO step", groups,
+                                advantages_of(groups, config.loop.normalize_std)))
+            t2 = time.monotonic()
+            metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step)
+            metrics.update({"perf/train_time": t2 - t1, "perf/step_time": time.monotonic() - t0})
+            runlog.append_metrics(step, metrics)
+            if should_run(step, config.loop.eval_interval, config.steps):
+                result = evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
+                                  max_new_tokens=config.loop.max_new_tokens, decode=decode, reward_fn=reward,
+                                  seed=config.loop.seed + 99)
+                runlog.write_eval(step, result)
+                metrics.update({f"eval/math/{k}": v for k, v in result.items() if k.startswith("pass@")})
+            if should_run(step, config.save_interval, last):
+                call(trainer.save, "saving a checkpoint", step, {"step": step})
+            log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "
+                f"|Δlogprob| {metrics['train/train_rollout_logprob_abs_diff']:.4f} "
+                f"({metrics['perf/step_time']:.1f}s)")
+            if on_step:
+                on_step(step, metrics)
+    return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
+
+
+def _sync(call, trainer, rollout, run_dir: Path, step: int) -> float:
+    """Export the trainer's weights as HF FP8 and load them into the rollout engine (paused meanwhile)."""
+    start = time.monotonic()
+    path = run_dir / "weights" / "current"
+    call(trainer.export, "exporting weights", str(path))
+    rollout.load_weights(str(path), version=f"step-{step}")
+    return time.monotonic() - start
+
+
+class _workers:
+    """Context manager yielding (trainer, rollout url, call) either on Ray or in this process."""
+
+    def __init__(self, config: TrainRunConfig, run_key: str, trainer_args: dict, rollout_args: dict) -> None:
+        self.config, self.run_key = config, run_key
+        self.trainer_args, self.rollout_args = trainer_args, rollout_args
+
+    def __enter__(self):
+        if not self.config.use_ray:
+            from engines.train.actors import RolloutWorker, TrainerWorker
+
+            self._rollout = RolloutWorker(**self.rollout_args)
+            trainer = TrainerWorker(**self.trainer_args)
+            direct = lambda method, what, *a: method(*a)  # noqa: E731
+            return trainer, self._rollout.url(), direct
+        from engines.train.cluster import RunActors, call, ray_session
+
+        self._session = ray_session()
+        self._session.__enter__()
+        self._actors = RunActors.create(_safe_key(self.run_key), trainer_args=self.trainer_args,
+                                        rollout_args=self.rollout_args)
+        timeout = self.config.call_timeout_s
+        remote = lambda method, what, *a: call(method, *a, timeout=timeout, what=what)  # noqa: E731
+        url = remote(self._actors.rollout.url, "asking the rollout worker for its URL")
+        return self._actors.trainer, url, remote
+
+    def __exit__(self, *exc) -> None:
+        if not self.config.use_ray:
+            self._rollout.stop()
+            return
+        try:
+            self._actors.shutdown()
+        finally:
+            self._session.__exit__(*exc)
+
+
+def _safe_key(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:48]

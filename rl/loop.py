@@ -1,0 +1,159 @@
+"""The GRPO loop, written as the algorithm reads (DESIGN.md, data flow of `train`):
+
+    for step in steps:
+        prompts  = the step's prompts (a pure function of the step: resume never repeats or skips data)
+        groups   = rollout.generate(prompts, n samples each)            # FP8 rollout engine
+        rewards  = grade(groups)                                        # boxed-answer reward
+        groups   = dynamic sampling (drop all-equal groups, over-sample to refill)
+        samples  = group-normalised advantages
+        metrics  = learner.train_step(samples)                          # BF16 GRPO + TIS
+        sync     = learner.export() -> rollout.load_weights()           # re-quantize, update, fidelity gate
+        log metrics; every eval_interval: evaluate; every save_interval: checkpoint
+
+The engines come in as two small protocols, so this module knows nothing of Ray, HTTP or Prefect.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from rl.dynamic_sampling import DynamicSampler
+from rl.grpo import group_advantages
+from rl.passk import mean_pass_at_k
+
+
+@dataclass
+class Completion:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt, graded."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    label: str
+    completions: list[Completion]
+    rewards: list[float] = field(default_factory=list)
+
+
+class Rollout(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_new_tokens: int,
+                 seed: int) -> list[list[Completion]]: ...
+
+    def load_weights(self, path: str, version: str) -> dict[str, Any]: ...
+
+
+class Learner(Protocol):
+    def train_step(self, groups: list[Group], advantages: list[list[float]]) -> dict[str, float]: ...
+
+    def export(self, path: str) -> None: ...
+
+
+@dataclass(kw_only=True)
+class LoopConfig:
+    prompts_per_step: int = 128
+    """Prompts (groups) trained on per step, after dynamic sampling."""
+    n_samples: int = 8
+    """Samples per prompt (the GRPO group)."""
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    eval_interval: int = 10
+    """Evaluate every this many steps (and at step 0 before training)."""
+    eval_samples: int = 8
+    seed: int = 0
+    dynamic_sampling: bool = True
+    dynamic_sampling_max_rounds: int = 4
+    normalize_std: bool = True
+
+
+def prompts_for_step(step: int, n_rows: int, per_step: int, seed: int, offset: int = 0) -> list[int]:
+    """Indices of the prompts for `step` (1-based): epochs are seeded shuffles, so a step's prompts are fixed.
+
+    `offset` shifts the cursor (extra prompts consumed by dynamic-sampling refills are taken after the step's
+    own, from a separate stream, so the base schedule never moves).
+    """
+    start = (step - 1) * per_step + offset
+    out = []
+    for pos in range(start, start + per_step):
+        epoch, i = divmod(pos, n_rows)
+        order = list(range(n_rows))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(order[i])
+    return out
+
+
+def should_run(step: int, interval: int, last_step: int) -> bool:
+    """Periodic actions fire every `interval` steps and always at the final step."""
+    return interval > 0 and (step % interval == 0 or step == last_step)
+
+
+def grade_groups(groups: list[Group], decode: Callable[[list[int]], str],
+                 reward_fn: Callable[[str, str], float]) -> None:
+    for g in groups:
+        g.rewards = [reward_fn(decode(c.output_ids), g.label) for c in g.completions]
+
+
+def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], labels: list[str],
+                 config: LoopConfig, decode, reward_fn) -> tuple[list[Group], dict[str, float]]:
+    """Generate and grade the step's groups, refilled by dynamic sampling when enabled."""
+    n_rows = len(prompts)
+    consumed = 0
+
+    def generate(k: int) -> list[Group]:
+        nonlocal consumed
+        idx = prompts_for_step(step, n_rows, k, config.seed + 17, offset=consumed) if consumed \
+            else prompts_for_step(step, n_rows, k, config.seed)
+        consumed += k
+        outs = rollout.generate([prompts[i] for i in idx], n=config.n_samples, temperature=config.temperature,
+                                max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step * 101 + consumed)
+        groups = [Group(i, prompts[i], labels[i], o) for i, o in zip(idx, outs)]
+        grade_groups(groups, decode, reward_fn)
+        return groups
+
+    start = time.monotonic()
+    sampler = DynamicSampler(target_groups=config.prompts_per_step, enabled=config.dynamic_sampling,
+                             max_rounds=config.dynamic_sampling_max_rounds, rewards_of=lambda g: g.rewards)
+    result = sampler.sample(generate)
+    groups = result.groups
+    completions = [c for g in groups for c in g.completions]
+    rewards = [r for g in groups for r in g.rewards]
+    metrics = {
+        "rollout/raw_reward": sum(rewards) / max(1, len(rewards)),
+        "rollout/response_len/mean": sum(len(c.output_ids) for c in completions) / max(1, len(completions)),
+        "rollout/truncated_ratio": sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
+        "perf/rollout_time": time.monotonic() - start,
+        **result.metrics(),
+    }
+    return groups, metrics
+
+
+def advantages_of(groups: list[Group], normalize_std: bool = True) -> list[list[float]]:
+    if not groups:
+        return []
+    n = len(groups[0].rewards)
+    if any(len(g.rewards) != n for g in groups):
+        raise ValueError("every group must hold the same number of samples")
+    return group_advantages(torch.tensor([g.rewards for g in groups]), normalize_std=normalize_std).tolist()
+
+
+def evaluate(rollout: Rollout, prompts: list[list[int]], labels: list[str], *, n: int, max_new_tokens: int,
+             decode, reward_fn, seed: int) -> dict[str, Any]:
+    """Held-out pass@k (unbiased) at temperature 1 with a fixed seed, plus truncation and length."""
+    outs = rollout.generate(prompts, n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    correct = [[reward_fn(decode(c.output_ids), label) > 0 for c in group] for group, label in zip(outs, labels)]
+    completions = [c for group in outs for c in group]
+    result: dict[str, Any] = {f"pass@{k}": mean_pass_at_k(correct, k) for k in (1, 2, 4, 8) if k <= n}
+    result.update(truncated_ratio=sum(c.finish_reason == "length" for c in completions) / len(completions),
+                  response_len=sum(len(c.output_ids) for c in completions) / len(completions),
+                  n_problems=len(prompts), n_samples=n)
+    return result
