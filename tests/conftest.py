@@ -41,3 +41,15 @@ def write_random_tiny_checkpoint(out_dir: Path, *, seed: int = 0, **save_kwargs)
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """Path of a random tiny-cpu checkpoint (FP8 linears, FP4 routed experts, UE8M0 scales). Read-only."""
     return write_random_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+TINY_BASE = Path(__file__).parent / "assets" / "tiny-base"
+
+
+@pytest.fixture(scope="session")
+def tiny_base() -> Path:
+    """The committed bootstrap checkpoint (`v4rl bootstrap --seed 0`): a model that already gets some answers
+    right, for tests that need a learning signal. Read-only."""
+    if not (TINY_BASE / "bootstrap.json").exists():
+        raise FileNotFoundError(f"{TINY_BASE} is missing; rebuild it with `v4rl bootstrap --out {TINY_BASE} --seed 0`")
+    return TINY_BASE

@@ -64,6 +64,34 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 
 
 @app.command()
+def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
+          preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
+          steps: int = typer.Option(100, help="GRPO steps of the run."),
+          base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
+          prompts_per_step: int = typer.Option(128), n_samples: int = typer.Option(8),
+          eval_interval: int = typer.Option(10), n_eval: int = typer.Option(200),
+          lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
+          dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
+          ray: bool = typer.Option(True, help="Host trainer and rollout as Ray actors (loopback-only local cluster "
+                                              "unless RAY_ADDRESS is set).")) -> None:
+    """GRPO + TIS on the embedded engines (rollout server over HTTP, transformers trainer), resumable."""
+    from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
+    from rl.loop import LoopConfig
+
+    if preset != "tiny-cpu":
+        _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
+                            loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
+                                            eval_interval=eval_interval, seed=seed, dynamic_sampling=dynamic_sampling))
+    try:
+        summary = run_training(out, config)
+    except ValueError as exc:
+        _fail(str(exc))
+    for ev in summary["evals"]:
+        typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
+
+
+@app.command()
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
          seed: int = typer.Option(0),
          fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one.")) -> None:

@@ -38,11 +38,12 @@ def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, namespace="v4rl", log_to_driver=True)
         started = False
     else:
         os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()})
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(num_cpus=num_cpus or os.cpu_count(), namespace="v4rl", include_dashboard=False,
+                 _node_ip_address="127.0.0.1",
                  log_to_driver=True, runtime_env={"env_vars": {**LOCAL_RAY_ENV, "PYTHONPATH": _pythonpath()}})
         started = True
     try:

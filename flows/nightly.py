@@ -1,0 +1,91 @@
+"""nightly-validation: a short rl-pipeline run (convert, verify, align, a few GRPO steps, eval), judged against
+the history of earlier nights kept in the artifact store (rl/verdict.py). Ends Failed with the reasons on a
+regression, Completed otherwise; the verdict is a markdown artifact and `nightly.json` in the run.
+
+    prefect deployment run 'nightly-validation/nightly'
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed
+from pydantic import BaseModel, Field
+
+from flows.params import PipelineParams
+from flows.rl_pipeline import rl_pipeline
+
+HISTORY_PREFIX = "runs/"
+RECORD = "nightly.json"
+
+
+class NightlyParams(BaseModel):
+    steps: int = Field(4, ge=1, description="GRPO steps of the validation run.")
+    eval_interval: int = Field(4, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    n_eval: int = Field(64, ge=1)
+    runs_root: str | None = Field(None, description="Default: the repo's runs/ directory.")
+    store_url: str = Field("", description="Artifact store holding the history (file:// or s3://).")
+    s3_endpoint_url: str | None = None
+    s3_secret_block: str | None = None
+    min_history: int = Field(3, ge=1, description="Earlier nights needed before pass@1 is judged.")
+    date: str | None = Field(None, description="Night to record (YYYY-MM-DD); default: today (UTC).")
+
+
+@task(name="load-history", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def load_history(store_url: str, endpoint_url: str | None, secret_block: str | None, exclude_run: str) -> list[dict]:
+    from engines.artifact_store import list_objects, read_json
+    from tasks.upload import resolve_credentials
+
+    creds = resolve_credentials(secret_block)
+    keys = [k for k in list_objects(store_url, HISTORY_PREFIX, endpoint_url=endpoint_url, **creds)
+            if k.endswith("/" + RECORD) and f"/{exclude_run}/" not in f"/{k}"]
+    return [read_json(store_url, k, endpoint_url=endpoint_url, **creds) for k in sorted(keys)]
+
+
+@flow(name="nightly-validation", log_prints=True)
+def nightly_validation(params: NightlyParams = NightlyParams()):
+    from engines.train.runlog import RunLog
+    from rl.verdict import nightly_verdict
+    from tasks.upload import upload_artifacts
+
+    night = params.date or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    overrides = {k: v for k, v in dict(steps=params.steps, eval_interval=params.eval_interval,
+                                      prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
+                                      runs_root=params.runs_root, store_url=params.store_url,
+                                      s3_endpoint_url=params.s3_endpoint_url,
+                                      s3_secret_block=params.s3_secret_block).items() if v is not None}
+    pipeline = PipelineParams.preset_defaults("tiny-cpu", run_key=f"nightly-{night}", **overrides)
+    result = rl_pipeline(pipeline)
+    run_dir = Path(result["run_dir"])
+    log = RunLog(run_dir)
+    rows, evals = log.metrics(), log.evals()
+    last = evals[-1] if evals else {}
+    diff = [(r["step"], r["train/train_rollout_logprob_abs_diff"]) for r in rows
+            if r.get("train/train_rollout_logprob_abs_diff") is not None]
+    tonight = {"night": night, "run_key": pipeline.run_key, "pass@1": last.get("pass@1"),
+               "pass@8": last.get("pass@8"), "n_problems": last.get("n_problems", 0),
+               "n_samples": last.get("n_samples", 0),
+               "align_mean": ((result.get("alignment") or {}).get("token_abs_diff") or {}).get("mean"),
+               "diff_steps": [s for s, _ in diff], "diff_values": [v for _, v in diff]}
+    history = load_history(pipeline.store, pipeline.s3_endpoint_url, pipeline.s3_secret_block, pipeline.run_key)
+    verdict = nightly_verdict(tonight, history, min_history=params.min_history,
+                              align_threshold=pipeline.align_threshold)
+    record = {**tonight, "verdict": verdict.to_dict()}
+    (run_dir / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    upload_artifacts(str(run_dir), store_url=pipeline.store, prefix=f"runs/{pipeline.run_key}",
+                     endpoint_url=pipeline.s3_endpoint_url, secret_block=pipeline.s3_secret_block)
+    lines = [f"# Nightly validation {night}: {'PASSED' if verdict.passed else 'FAILED'}", "",
+             f"History: {len(history)} earlier nights.", ""]
+    lines += [f"- {r}" for r in verdict.reasons] or ["- no regression"]
+    lines += ["", "```json", json.dumps(verdict.checks, indent=2), "```"]
+    create_markdown_artifact("\n".join(lines), key="nightly-verdict", description=f"nightly verdict {night}")
+    get_run_logger().info("verdict: %s", "passed" if verdict.passed else "; ".join(verdict.reasons))
+    if not verdict.passed:
+        return Failed(message="nightly regression: " + "; ".join(verdict.reasons))
+    return record

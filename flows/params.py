@@ -1,0 +1,80 @@
+"""Parameters of the rl-pipeline flow: one pydantic model (a form in the Prefect UI) with two presets.
+
+    PipelineParams.preset("tiny-cpu", steps=20)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_BASE = REPO / "tests" / "assets" / "tiny-base"
+
+
+class PipelineParams(BaseModel):
+    """What one rl-pipeline run does. Field descriptions show in the Prefect UI's run form."""
+
+    preset: Literal["tiny-cpu", "dsv4-flash-mi355x"] = Field(
+        "tiny-cpu", description="tiny-cpu runs here end to end; dsv4-flash-mi355x plans and launches Miles on MI355X.")
+    run_key: str = Field("tiny-cpu", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                         description="Stable name of the run: a new flow run with the same key resumes it.")
+    runs_root: str = Field(str(REPO / "runs"), description="Where run directories live (runs/<run_key>/).")
+    hf_checkpoint: str = Field(str(TINY_BASE), description="HF FP8 checkpoint the rollout engine serves.")
+    steps: int = Field(20, ge=1, le=100000, description="GRPO steps of the run.")
+    eval_interval: int = Field(10, ge=1, description="Steps per training segment; an evaluation follows each.")
+    prompts_per_step: int = Field(64, ge=1)
+    n_samples: int = Field(8, ge=2, description="Samples per prompt (GRPO group size).")
+    n_eval: int = Field(100, ge=1, description="Held-out problems per evaluation.")
+    eval_samples: int = Field(8, ge=1, description="Samples per held-out problem (pass@1..8).")
+    lr: float = Field(1e-4, gt=0)
+    seed: int = 0
+    align_prompts: int = Field(16, ge=1, description="Prompts of the cross-engine alignment check.")
+    align_threshold: float = Field(0.09, gt=0, description="Max mean |Δlogprob| between rollout and trainer.")
+    store_url: str = Field("", description="Artifact store: file:///path or s3://bucket/prefix; empty: "
+                                           "<runs_root>/store.")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); None: AWS.")
+    s3_secret_block: str | None = Field(None, description="Prefect Secret block holding the S3 secret key "
+                                                          "(the key id comes from AWS_ACCESS_KEY_ID).")
+    use_ray: bool = Field(True, description="Host trainer and rollout as Ray actors (loopback-only local cluster).")
+
+    @field_validator("runs_root", "hf_checkpoint")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        return str(Path(v).expanduser().resolve()) if v else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "PipelineParams":
+        if self.preset == "tiny-cpu" and not (Path(self.hf_checkpoint) / "config.json").exists():
+            raise ValueError(f"hf_checkpoint {self.hf_checkpoint} has no config.json; point it at a DeepSeek-V4 HF "
+                             "checkpoint or bootstrap one with `v4rl bootstrap --out DIR`")
+        if self.eval_interval > self.steps:
+            raise ValueError(f"eval_interval ({self.eval_interval}) exceeds steps ({self.steps}); lower it so that "
+                             "at least one evaluation runs")
+        return self
+
+    @classmethod
+    def preset_defaults(cls, name: str, **overrides) -> "PipelineParams":
+        base: dict = {"preset": name, "run_key": name}
+        if name == "dsv4-flash-mi355x":  # the seed's run (DESIGN.md Presets)
+            base.update(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, n_eval=30, eval_samples=8,
+                        lr=1e-6, hf_checkpoint="/data/DeepSeek-V4-Flash-FP8")
+        return cls.model_validate({**base, **overrides})
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_root) / self.run_key
+
+    @property
+    def store(self) -> str:
+        return self.store_url or f"file://{Path(self.runs_root) / 'store'}"
+
+    def training_fingerprint(self) -> str:
+        """Hash of everything that shapes the training trajectory (segments of one run share it)."""
+        keys = ("preset", "run_key", "hf_checkpoint", "steps", "prompts_per_step", "n_samples", "lr", "seed")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,64 @@
+"""The nightly verdict on synthetic histories: a normal night passes, a pass@1 drop beyond the noise fails,
+a drop within the noise of a small eval passes, too little history skips the pass@1 check (and says so),
+and alignment over threshold or a rising logprob difference fail on their own.
+
+    .venv/bin/python -m pytest tests/test_verdict.py -q
+"""
+
+from __future__ import annotations
+
+from rl.loop import segment_ends
+from rl.verdict import nightly_verdict
+
+HISTORY = [{"pass@1": p} for p in (0.31, 0.29, 0.30, 0.32, 0.30)]
+
+
+def _night(**kw) -> dict:
+    base = {"align_mean": 0.01, "pass@1": 0.30, "n_problems": 200, "n_samples": 8,
+            "diff_steps": list(range(1, 11)), "diff_values": [0.01 + 0.0005 * ((-1) ** i) for i in range(10)]}
+    return {**base, **kw}
+
+
+def test_normal_night_passes():
+    v = nightly_verdict(_night(), HISTORY)
+    assert v.passed and v.reasons == []
+    assert v.checks["pass@1"]["status"] == "ok" and v.checks["drift"]["status"] == "ok"
+
+
+def test_pass_at_1_regression_beyond_noise_fails():
+    v = nightly_verdict(_night(**{"pass@1": 0.20}), HISTORY)
+    assert not v.passed
+    assert v.checks["pass@1"]["status"] == "fail" and "below the history band" in v.reasons[0]
+
+
+def test_same_drop_on_a_tiny_eval_is_within_noise():
+    v = nightly_verdict(_night(**{"pass@1": 0.20, "n_problems": 4, "n_samples": 2}), HISTORY)
+    assert v.passed, v.reasons
+
+
+def test_too_few_earlier_nights_skips_pass_at_1_and_says_so():
+    v = nightly_verdict(_night(**{"pass@1": 0.01}), HISTORY[:2])
+    assert v.passed
+    assert v.checks["pass@1"] == {"status": "insufficient_history", "history": 2, "needed": 3}
+
+
+def test_alignment_over_threshold_fails():
+    v = nightly_verdict(_night(align_mean=0.2), HISTORY)
+    assert not v.passed and v.reasons[0].startswith("alignment:")
+
+
+def test_rising_logprob_difference_fails_as_drift():
+    rising = [0.01 + 0.002 * i for i in range(10)]
+    v = nightly_verdict(_night(diff_values=rising), HISTORY)
+    assert not v.passed and v.checks["drift"]["status"] == "fail"
+
+
+def test_missing_evaluation_fails_loudly():
+    v = nightly_verdict(_night(**{"pass@1": None}), HISTORY)
+    assert not v.passed and "no pass@1" in v.reasons[0]
+
+
+def test_segments_end_at_every_evaluation_and_at_the_last_step():
+    assert segment_ends(20, 10) == [10, 20]
+    assert segment_ends(25, 10) == [10, 20, 25]
+    assert segment_ends(4, 10) == [4]
