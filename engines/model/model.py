@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engines.model import faults
 from engines.model.attention import Attention, LayerCache
 from engines.model.config import ModelConfig
 from engines.model.layers import MoE, RMSNorm, hc_head, hc_merge, hc_weights
@@ -35,7 +36,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer = cfg, layer
         n = (2 + cfg.hc_mult) * cfg.hc_mult
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -50,7 +51,7 @@ class Block(nn.Module):
         """streams [B, S, hc, D]; `attention(x)` runs this layer's attention on the collapsed input."""
         post, comb, collapsed = hc_weights(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
         attn_out = attention(self.attn_norm(collapsed))
-        streams = hc_merge(streams, attn_out, post, comb)
+        streams = hc_merge(streams, attn_out, post, faults.merge_comb(comb, self.layer))
         if trace is not None:
             trace["attention"] = attn_out
             trace["mhc_attn"] = streams
@@ -60,7 +61,7 @@ class Block(nn.Module):
         if trace is not None:
             trace["router"] = self.ffn.route(ffn_in, token_ids)
             trace["moe"] = moe_out
-        streams = hc_merge(streams, moe_out, post, comb)
+        streams = hc_merge(streams, moe_out, post, faults.merge_comb(comb, self.layer))
         if trace is not None:
             trace["mhc_ffn"] = streams
         return streams
@@ -113,7 +114,7 @@ class DeepseekV4(nn.Module):
         positions = torch.arange(S, device=token_ids.device).expand(B, S)
         streams = self._streams(token_ids)
         caches = [SequenceCache(position=S) for _ in range(B)] if keep_cache else None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             layer_trace = {} if trace is not None else None
 
             def attention(x, layer=layer):
@@ -123,7 +124,8 @@ class DeepseekV4(nn.Module):
                         c.layers.append(lc)
                 return out
 
-            streams = layer(streams, token_ids, attention, layer_trace)
+            route_ids = faults.routing_ids(token_ids, positions, i, self.cfg.vocab_size)
+            streams = layer(streams, route_ids, attention, layer_trace)
             if trace is not None:
                 trace.append(layer_trace)
         return self._logits(streams), caches
@@ -137,7 +139,7 @@ class DeepseekV4(nn.Module):
             def attention(x, layer=layer, i=i):
                 return layer.attn.forward_decode(x, positions, [c.layers[i] for c in caches])
 
-            streams = layer(streams, ids, attention)
+            streams = layer(streams, faults.routing_ids(ids, positions, i, self.cfg.vocab_size), attention)
         for c in caches:
             c.position += 1
         return self._logits(streams)[:, 0]
