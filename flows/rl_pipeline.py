@@ -22,6 +22,7 @@ from prefect.artifacts import create_progress_artifact
 from flows.evaluate import evaluate
 from flows.params import PipelineParams
 from rl.loop import segment_ends
+from tasks.align import align
 from tasks.checkpoint import convert, verify
 from tasks.preflight import preflight
 from tasks.report import publish_report
@@ -52,7 +53,8 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     preflight(params.preset, params.seed)
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"))
     verify(converted["dst"], params.hf_checkpoint)
-    alignment = _align(params, converted["dst"])
+    alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
+                      prompts=params.align_prompts, threshold=params.align_threshold, artifact_key=f"{artifact}-align")
 
     if params.preset != "tiny-cpu":  # the cluster path: Miles trains, evaluates and checkpoints on MI355X
         outcome = train_on_cluster(params.preset, key, params.hf_checkpoint, converted["dst"],
@@ -74,16 +76,6 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log.info("report: %s; artifacts: %s", report["report"], uploaded.get("manifest"))
     return {"run_dir": str(run_dir), "summary": report["summary"], "alignment": alignment,
             "manifest": uploaded.get("manifest")}
-
-
-def _align(params: PipelineParams, torch_dist_dir: str) -> dict | None:
-    try:
-        from tasks.align import align
-    except ModuleNotFoundError:  # the alignment stage lands with the GRPO issue; say so instead of hiding it
-        get_run_logger().warning("alignment stage not built yet: skipped")
-        return None
-    return align(params.hf_checkpoint, torch_dist_dir, str(params.run_dir / "align.json"),
-                 prompts=params.align_prompts, threshold=params.align_threshold)
 
 
 def _alignment_markdown(alignment: dict | None) -> str:

@@ -62,7 +62,7 @@ class TrainerWorker:
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (self.base_dir / name).exists():
                     shutil.copy(self.base_dir / name, tok)
-            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(), weight_format="fp8", expert_dtype="fp4",
+            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(), weight_format="fp8", expert_dtype="fp8",
                                scale_fmt="ue8m0", tokenizer_dir=tok, overwrite=True)
 
     def save(self, step: int, extra: dict) -> str:

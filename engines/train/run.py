@@ -38,6 +38,9 @@ class TrainRunConfig:
     lr: float = 1e-4
     max_tokens_per_gpu: int = 8192
     recompute: bool = False
+    quantization_aware: bool = True
+    """Trainer forwards with the FP8 weights the rollout serves (engines/train/fake_quant.py); without it the
+    per-step updates are mostly rounded away on export and train/rollout logprobs drift apart (~0.2)."""
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(dynamic_sampling=False))
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
@@ -75,11 +78,13 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     reward = lambda text, label: math_reward(text, label, literal_only=True)  # noqa: E731
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
                         trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
-                                        "recompute": config.recompute},
+                                        "recompute": config.recompute,
+                                        "quantization_aware": config.quantization_aware},
                         grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
                                      "dynamic_sampling": config.loop.dynamic_sampling},
                         seed=config.loop.seed)
-    with _workers(config, Path(run_dir).name, trainer_args, {"model_dir": config.base}) as (trainer, rollout_url, call):
+    serving = _rollout_start_weights(config.base, Path(run_dir))
+    with _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving)}) as (trainer, rollout_url, call):
         client = SGLangClient(rollout_url, timeout=config.call_timeout_s)
         rollout = HTTPRollout(client)
         resumed = call(trainer.resume, "resuming the trainer")
@@ -117,6 +122,27 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
             if on_step:
                 on_step(step, metrics)
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
+
+
+def _rollout_start_weights(base: str, run_dir: Path) -> Path:
+    """The directory the rollout engine starts from: the base with FP8 routed experts (the seed's FP8 repackage).
+
+    Online updates re-quantize the trainer's fp32 master weights every step. FP4 experts with UE8M0 1x32
+    scales do not survive that: a group whose largest value sits on the top grid point (6 x scale) doubles
+    its power-of-two scale at the smallest upward move and loses half its resolution (measured here: mean
+    |Δlogprob| 0.19 after one lr-1e-4 step, vs 0.016 with FP8 experts). The seed ran the same way
+    (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage). Updates keep this format (the engine refuses a
+    change of expert dtype). Written once; a resumed run starts from its latest export instead.
+    """
+    from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+
+    current = run_dir / "weights" / "current"
+    if (current / "config.json").exists():
+        return current
+    cfg, native = load_hf_checkpoint(base)
+    save_hf_checkpoint(current, cfg, native, weight_format="fp8", expert_dtype="fp8", scale_fmt="ue8m0",
+                       tokenizer_dir=base, overwrite=True)
+    return current
 
 
 def _sync(call, trainer, rollout, run_dir: Path, step: int) -> float:

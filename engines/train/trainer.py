@@ -35,6 +35,12 @@ class TrainerConfig:
     """Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
     compute_dtype: str = "bfloat16"
     """Autocast dtype of forward/backward: bfloat16 (the seed's actor) or float32 (exact, for tests)."""
+    quantization_aware: bool = False
+    """Forward with the weights the rollout engine serves (FP8 round trip, straight-through gradient to the
+    fp32 master; engines/train/fake_quant.py). Off: plain BF16, whose updates FP8 re-quantization mostly
+    rounds away, so rollout lags the trainer."""
+    rollout_expert_dtype: str = "fp8"
+    """Routed-expert format of the rollout weights the quantization-aware forward reproduces."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -83,6 +89,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
         self.step = 0
+        self.fake_quant = None
+        self._stored = None
+        if config.quantization_aware:
+            from engines.train.fake_quant import FakeQuant
+
+            self.fake_quant = FakeQuant(self.model, cfg, expert_dtype=config.rollout_expert_dtype)
         if config.recompute:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -103,7 +115,13 @@ class Trainer:
         ids = torch.tensor([p + r for p, r in seqs])
         p_len, r_len = len(seqs[0][0]), len(seqs[0][1])
         with self._autocast():
-            logits = self.model(input_ids=ids).logits[:, p_len - 1:p_len - 1 + r_len].float()
+            if self.fake_quant is None:
+                out = self.model(input_ids=ids)
+            else:
+                if self._stored is None:  # the weights only change in optimizer.step(): quantize once per step
+                    self._stored = self.fake_quant.stored(self.model)
+                out = self.fake_quant.forward(self.model, ids, self._stored)
+            logits = out.logits[:, p_len - 1:p_len - 1 + r_len].float()
         logp = torch.log_softmax(logits, dim=-1)
         targets = ids[:, p_len:p_len + r_len]
         token_lp = logp.gather(-1, targets[..., None])[..., 0]
@@ -158,6 +176,7 @@ class Trainer:
             raise FloatingPointError(f"non-finite grad norm {float(grad_norm)} at step {self.step + 1}; "
                                      "the update was skipped (lower lr, check rewards/advantages for NaN)")
         self.optimizer.step()
+        self._stored = None
         self.step += 1
         metrics = {f"train/{k}": v for k, v in sums.items()}
         metrics["train/grad_norm"] = float(grad_norm)
@@ -180,6 +199,7 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def load_state(self, state: dict) -> None:
+        self._stored = None
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 

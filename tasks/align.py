@@ -1,0 +1,36 @@
+"""Prefect task: the cross-engine alignment gate (engines/align): rollout engine generates once, the trainer
+(from torch_dist, BF16) and transformers' reference rescore the same tokens, and the first diverging layer and
+sub-block is named. Fails the pipeline when over threshold; the JSON report stays in the run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+
+class AlignmentFailed(RuntimeError):
+    pass
+
+
+@task(name="align", cache_policy=NO_CACHE, timeout_seconds=3 * 3600)
+def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, prompts: int = 16, threshold: float = 0.09,
+          artifact_key: str | None = None) -> dict:
+    from engines.align import AlignConfig, align as run_align
+
+    report = run_align(hf_dir, torch_dist_dir, AlignConfig(n_prompts=prompts, mean_threshold=threshold))
+    tmp = Path(json_out).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(json_out)
+    diff = report["token_abs_diff"]
+    create_markdown_artifact(
+        f"# Alignment: {'passed' if report['passed'] else 'FAILED'}\n\nmean |Δlogprob| {diff['mean']:.4f}, "
+        f"p99 {diff['p99']:.4f}, max {diff['max']:.4f} over {report['n_tokens']} tokens; first divergence: "
+        f"{report['first_divergence']}\n", key=artifact_key, description="rollout vs trainer alignment")
+    if not report["passed"]:
+        raise AlignmentFailed(f"alignment over threshold: {'; '.join(report.get('failures', []))} "
+                              f"(report: {json_out})")
+    return report
