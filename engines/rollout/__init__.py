@@ -1,1 +1,11 @@
-"""engines/rollout."""
+"""Rollout: our SGLang-compatible CPU engine and server, and the client/launcher for real SGLang.
+
+  engine.py    continuous-batching DeepSeek-V4 engine (prefill + cached decode, prefix cache, pause modes)
+  weights.py   weights held as stored (FP8/FP4 + scales), update validation, runtime rebuild, checksums
+  protocol.py  SGLang /generate request parsing and response shapes
+  server.py    FastAPI server with SGLang's native routes (`v4rl serve-rollout`)
+  sglang.py    the one client for both servers (timeouts, connect-only retries, error bodies)
+  fidelity.py  the post-update gate (bit-exact probe logprobs + runtime checksums vs a fresh engine)
+  launcher.py  real SGLang on Ray + NCCL/RCCL weight sync (GPU clusters)
+  sampling.py  sampling primitives and the simple batched `generate` used by bootstrap/demo
+"""

@@ -1,0 +1,245 @@
+"""`v4rl bench rollout --json OUT`: the embedded rollout engine against its peers, measured in one run.
+
+1. Throughput: new tokens/s for 64 math prompts x 32 new tokens, sampling at temperature 1 (EOS ignored
+   so both sides produce exactly 64 x 32 tokens), fp32 on the same tiny-cpu weights: our engine through
+   its HTTP server (and in-process) against transformers' `generate` (do_sample, KV cache), both
+   computing on a worker thread of the same process. Goal >= 3x.
+2. Time to first token: a 1-token request for one prompt, and for the 64-prompt batch, both sides.
+3. Update latency: export + quantize (checkpoints/hf.py, the `v4rl export --format hf-fp8` layout) +
+   `/update_weights_from_disk` (load + post-process), against restarting the server from disk
+   (`v4rl serve-rollout` process stopped, a new one started, until /health_generate answers). Goal <= 0.25x.
+
+Throughput runs alternate ours / transformers `repeats` times (the machine may be shared: the speedup is
+the median of the per-pair ratios, tok/s the best run of each side); the load average and
+OMP_WAIT_POLICY are recorded. The model is a random tiny-cpu checkpoint unless `model_dir` names one
+(e.g. the bootstrap base from `v4rl demo`).
+
+    v4rl bench rollout --json runs/bench/rollout.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+# libgomp's default spin-wait makes a torch process on a loaded CPU machine ~10x slower (measured on the
+# 2-core CI box: transformers generate 25 s -> 1.3 s, our engine 40 -> 450 tok/s). Both sides of this bench
+# run in this process, so they share the setting; it only takes effect if torch is not imported yet.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+BATCH, NEW_TOKENS = 64, 32
+THROUGHPUT_GOAL, UPDATE_GOAL = 3.0, 0.25
+
+
+def main(json_out: Path, *, model_dir: Path | None = None, repeats: int = 3) -> dict[str, Any]:
+    json_out = Path(json_out)
+    with tempfile.TemporaryDirectory(prefix="v4rl-bench-rollout-") as tmp:
+        model_dir = Path(model_dir) if model_dir else _random_tiny_checkpoint(Path(tmp) / "base")
+        prompts = _prompts(model_dir)
+        result: dict[str, Any] = {"machine": _machine(), "model": str(model_dir), "batch": BATCH,
+                                  "new_tokens": NEW_TOKENS, "dtype": "float32", "repeats": repeats}
+        result.update(_generation(model_dir, prompts, repeats))
+        result["update"] = _update_latency(model_dir, Path(tmp), repeats)
+    result["machine"]["load_avg_1m_at_end"] = _load()
+    result["goals"] = {
+        "throughput_vs_transformers": {"goal": f">= {THROUGHPUT_GOAL}x", "value": result["throughput"]["speedup_http"],
+                                       "met": result["throughput"]["speedup_http"] >= THROUGHPUT_GOAL},
+        "update_vs_restart": {"goal": f"<= {UPDATE_GOAL}x", "value": result["update"]["ratio"],
+                              "met": result["update"]["ratio"] <= UPDATE_GOAL}}
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=1) + "\n")
+    _print_summary(result, json_out)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def _random_tiny_checkpoint(out: Path) -> Path:
+    from checkpoints.hf import save_hf_checkpoint
+    from engines.presets import tiny_cpu_model_config
+    from engines.tokenizer import build_tokenizer
+    from engines.train.hf_model import build_reference_model, native_from_reference
+
+    cfg = tiny_cpu_model_config()
+    with tempfile.TemporaryDirectory() as tok:
+        build_tokenizer().save_pretrained(tok)
+        return save_hf_checkpoint(out, cfg, native_from_reference(build_reference_model(cfg, seed=0)),
+                                  tokenizer_dir=tok)
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from rl.math_task import make_splits
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rows, _ = make_splits(BATCH, 0, 0)
+    return [[tok.bos_token_id] + tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "load_avg_1m_at_start": _load()}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- generation
+def _generation(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict[str, Any]:
+    """Ours (HTTP, in-process) and transformers interleaved, so load changes on a shared machine hit both."""
+    from engines.rollout.engine import RequestSpec, RolloutEngine
+    from engines.rollout.sampling import SamplingParams
+    from engines.rollout.server import RolloutServer
+    from engines.rollout.sglang import SGLangClient
+    from engines.score import load_reference
+
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
+    tokens = BATCH * NEW_TOKENS
+    reference = load_reference(model_dir)
+    ids = torch.tensor(prompts)
+
+    worker = ThreadPoolExecutor(1, thread_name_prefix="transformers")  # a compute thread, as our scheduler is
+
+    def hf(n_new: int, batch: torch.Tensor) -> float:
+        return worker.submit(_hf_generate, reference, batch, n_new).result()
+
+    with RolloutServer(RolloutEngine(model_dir)) as server, SGLangClient(server.url, timeout=600) as client:
+        engine = server.engine
+
+        def http(batch: list[list[int]], params: dict[str, Any]) -> float:
+            engine.flush_cache()  # every run prefills from scratch
+            return _timed(lambda: client.generate_ids(batch, params, return_logprob=True))
+
+        def in_process() -> float:
+            engine.flush_cache()
+            specs = [RequestSpec(rid=f"b{i}", input_ids=p, seed=i, return_logprob=True,
+                                 sampling=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+                     for i, p in enumerate(prompts)]
+            return _timed(lambda: engine.generate(specs))
+
+        http(prompts[:4], {"max_new_tokens": 4})  # warm-up, both sides
+        hf(4, ids[:4])
+        runs = [(http(prompts, sampling), in_process(), hf(NEW_TOKENS, ids)) for _ in range(repeats)]
+        one = {"max_new_tokens": 1}
+        ttft = [(http(prompts[:1], one), hf(1, ids[:1]), http(prompts, one), hf(1, ids)) for _ in range(5)]
+    worker.shutdown()
+    ours_http, ours_inproc, hf_time = (min(r[k] for r in runs) for k in range(3))
+    return {
+        "throughput": {"ours_http_tok_s": tokens / ours_http, "ours_in_process_tok_s": tokens / ours_inproc,
+                       "transformers_generate_tok_s": tokens / hf_time,
+                       "speedup_http": statistics.median(h / o for o, _, h in runs),
+                       "speedup_in_process": statistics.median(h / i for _, i, h in runs),
+                       "runs_s": [{"ours_http": o, "ours_in_process": i, "transformers": h} for o, i, h in runs],
+                       "note": "tok/s from the best run of each; speedups = median over interleaved run pairs, "
+                               "both sides computing on a worker thread of one process"},
+        "ttft": {"ours_one_prompt_s": statistics.median(t[0] for t in ttft),
+                 "transformers_one_prompt_s": statistics.median(t[1] for t in ttft),
+                 "ours_batch_s": statistics.median(t[2] for t in ttft),
+                 "transformers_batch_s": statistics.median(t[3] for t in ttft),
+                 "note": "latency of a max_new_tokens=1 request (ours over HTTP, prefix cache flushed), median of 5"},
+    }
+
+
+def _hf_generate(model: Any, batch: torch.Tensor, n_new: int) -> float:
+    with torch.inference_mode():
+        return _timed(lambda: model.generate(
+            input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0, top_k=0,
+            top_p=1.0, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=model.config.pad_token_id))
+
+
+# ---------------------------------------------------------------------------------------------- updates
+def _update_latency(model_dir: Path, tmp: Path, repeats: int) -> dict[str, Any]:
+    from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+    from engines.rollout.sglang import SGLangClient
+
+    cfg, state = load_hf_checkpoint(model_dir)  # stands in for the trainer's updated BF16/fp32 weights
+    g = torch.Generator().manual_seed(0)
+    trained = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+               for k, v in state.items()}
+    exports: list[float] = []
+    loads: list[float] = []
+    proc, url = _start_server(model_dir)
+    try:
+        with SGLangClient(url, timeout=120) as client:
+            for k in range(repeats):
+                out = tmp / f"export-{k}"
+                exports.append(_timed(lambda: save_hf_checkpoint(out, cfg, trained, tokenizer_dir=model_dir)))
+                loads.append(_timed(lambda: client.update_weights_from_disk(str(out), weight_version=str(k))))
+        restarts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _stop(proc)
+            proc, url = _start_server(tmp / "export-0")
+            restarts.append(time.perf_counter() - t0)
+    finally:
+        _stop(proc)
+    export, load, restart = min(exports), min(loads), min(restarts)
+    return {"export_quantize_s": export, "load_post_process_s": load, "update_total_s": export + load,
+            "restart_from_disk_s": restart, "ratio": (export + load) / restart,
+            "ratio_without_export": load / restart,
+            "note": "restart = stop the `v4rl serve-rollout` process, start a new one on the exported directory, "
+                    "until /health_generate answers; an update also needs no new process, CUDA context or warm-up"}
+
+
+def _start_server(model_dir: Path) -> tuple[subprocess.Popen, str]:
+    from engines.rollout.sglang import SGLangClient
+
+    proc = subprocess.Popen([sys.executable, "-m", "v4rl.cli", "serve-rollout", "--model", str(model_dir),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    if " on http://" not in line:
+        _stop(proc)
+        raise RuntimeError(f"serve-rollout did not start: {line!r}")
+    url = line.split(" on ")[-1].split(" ")[0]
+    with SGLangClient(url, timeout=60) as client:
+        while not client.health_generate():
+            time.sleep(0.01)
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _print_summary(r: dict[str, Any], json_out: Path) -> None:
+    t, f, u = r["throughput"], r["ttft"], r["update"]
+    print(f"throughput ({BATCH} prompts x {NEW_TOKENS} new tokens, sampling): ours {t['ours_http_tok_s']:.0f} tok/s "
+          f"(HTTP), {t['ours_in_process_tok_s']:.0f} (in-process); transformers generate "
+          f"{t['transformers_generate_tok_s']:.0f} tok/s -> {t['speedup_http']:.1f}x (goal >= {THROUGHPUT_GOAL}x)")
+    print(f"time to first token: one prompt ours {f['ours_one_prompt_s'] * 1e3:.0f} ms vs transformers "
+          f"{f['transformers_one_prompt_s'] * 1e3:.0f} ms; batch ours {f['ours_batch_s'] * 1e3:.0f} ms vs "
+          f"{f['transformers_batch_s'] * 1e3:.0f} ms")
+    print(f"update: export+quantize {u['export_quantize_s']:.2f}s + load+post-process {u['load_post_process_s']:.2f}s "
+          f"vs restart {u['restart_from_disk_s']:.2f}s -> {u['ratio']:.2f}x (goal <= {UPDATE_GOAL}x)")
+    print(f"wrote {json_out}")

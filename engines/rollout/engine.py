@@ -1,0 +1,600 @@
+"""The embedded rollout engine: continuous batching over our DeepSeek-V4 with online weight updates.
+
+One scheduler thread owns the model. Each loop iteration runs pending control commands, admits
+waiting requests up to `max_running_requests` (prefill, grouped by length, served from a prefix cache
+when the same sequence was prefilled before, e.g. the n samples of a GRPO group), then runs one decode
+step for every running request (each with its own `SequenceCache`, so requests at different positions
+share a batch). Callers on other threads talk to it only through futures, so HTTP handlers, tests and
+benchmarks never touch the model.
+
+Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, min_new_tokens,
+stop_token_ids, stop strings, ignore_eos, a per-request seed). Every request draws from its own
+torch.Generator seeded from its seed, so its tokens do not depend on what else is scheduled (up to
+float ties). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer recomputes
+(SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
+
+Control, with SGLang's semantics (reference/miles-sglang-megatron.md §2.2):
+  pause(mode)   abort: finish everything with finish_reason abort | retract: running requests go back
+                to the queue, their caches dropped and recomputed on resume | in_place: freeze them
+  weight updates wait until nothing is running (new requests queue meanwhile) unless paused; inside
+  a begin/end session nothing is scheduled, and `end_weight_update` rebuilds the runtime copies
+  before generation resumes (weights.py).
+
+    engine = RolloutEngine("ckpt/", EngineConfig(dtype="float32"))
+    [out] = engine.generate([RequestSpec(rid="a", input_ids=[0, 5, 9], sampling=SamplingParams(), seed=1)])
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engines.model import SequenceCache
+from engines.rollout.sampling import SamplingParams, fork_cache, sample_token
+from engines.rollout.weights import (
+    FAULTS,
+    RawTensor,
+    WeightStore,
+    WeightUpdateError,
+    prepare_runtime_model,
+    read_weight_dir,
+    rebuild_runtime,
+    runtime_checksums,
+)
+
+log = logging.getLogger("v4rl.rollout")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES = ("abort", "retract", "in_place")
+PREFILL_CHUNK = 64
+"""Sequences per prefill forward (bounds the [B, S, vocab] logits tensor)."""
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    dtype: str = "float32"
+    """Runtime dtype of the dequantized copies: float32 (bit-exact scoring) or bfloat16."""
+    max_running_requests: int = 128
+    """Requests decoded together at most; the rest wait in the queue (SGLang --max-running-requests)."""
+    prefix_cache_entries: int = 512
+    """Prefilled sequences kept for reuse (LRU); 0 disables the prefix cache."""
+    context_length: int | None = None
+    """Longest prompt + output; None: the model's max_position_embeddings."""
+    weight_version: str = "default"
+    """Initial weight_version reported in meta_info and /model_info."""
+    profile: Mapping[str, Any] = field(default_factory=dict)
+    """Engine profile as a mapping (e.g. `dataclasses.asdict(get_profile(...))`); read: `fp8_dtype` ==
+    "e4m3fnuz" or `rocm_fnuz` True puts FP8 weights through e4m3fnuz copies, as ROCm MI300-class engines do."""
+    fault: str | None = None
+    """Tests only: simulate a known weight-update bug in every rebuild after the first (weights.FAULTS)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1; got {self.max_running_requests}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}; got {self.fault!r}")
+
+    @property
+    def rocm_fnuz(self) -> bool:
+        return bool(self.profile.get("rocm_fnuz")) or self.profile.get("fp8_dtype") == "e4m3fnuz"
+
+
+@dataclass(kw_only=True)
+class RequestSpec:
+    """One sequence to generate (SGLang GenerateReqInput after batch expansion)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    """Seeds this request's own torch.Generator."""
+    min_new_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    """First prompt position with an input logprob entry; -1: the last prompt token only (SGLang)."""
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    output_logprobs: list[float]
+    output_top_logprobs: list[list[tuple[float, int]]]
+    input_logprobs: list[float | None]
+    """Entries for positions logprob_start_len .. len(input_ids)-1, the first one None (SGLang)."""
+    input_top_logprobs: list[list[tuple[float, int]] | None]
+    cached_tokens: int
+    num_retractions: int
+    weight_version: str
+    e2e_latency: float
+
+
+@dataclass
+class UpdateResult:
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class _Request:
+    """Scheduler-side state of one request."""
+
+    def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future) -> None:
+        self.spec, self.stop_ids, self.future = spec, stop_ids, future
+        self.generator = torch.Generator().manual_seed(spec.seed % (2**63))
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[list[tuple[float, int]]] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.input_top: list[list[tuple[float, int]] | None] = []
+        self.cache: SequenceCache | None = None
+        self.next_logits: torch.Tensor | None = None
+        self.cached_tokens = 0
+        self.num_retractions = 0
+        self.created = time.monotonic()
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.spec.input_ids + self.output_ids
+
+
+@dataclass
+class _PrefixEntry:
+    cache: SequenceCache
+    last_logits: torch.Tensor
+    token_logprobs: list[float]
+    """logprob of token i given tokens < i, for i = 1 .. len-1."""
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: Future
+    when_idle: bool
+
+
+class EngineStopped(RuntimeError):
+    """The engine was shut down while a request or command was pending."""
+
+
+class RolloutEngine:
+    """Continuous-batching DeepSeek-V4 engine holding FP8/FP4 weights as stored (see module docstring)."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.store = WeightStore.from_dir(self.model_dir)
+        self.cfg = self.store.cfg
+        self.model = prepare_runtime_model(self.cfg, DTYPES[self.config.dtype])
+        rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz)  # the cold-start path
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        eos = self.cfg.eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.context_length = self.config.context_length or self.cfg.max_position_embeddings
+        self.weight_version = self.config.weight_version
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._prefix: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
+        self._paused = False
+        self._session: dict[str, RawTensor] | None = None
+        self._session_version: str | None = None
+        self._deferred: deque[_Command] = deque()
+        self._commands: queue.Queue[_Command | None] = queue.Queue()
+        self._stopping = False
+        self._stats = {"generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "retractions": 0,
+                       "weight_updates": 0}
+        self._thread = threading.Thread(target=self._loop, name="rollout-scheduler", daemon=True)
+        self._thread.start()
+
+    # ================================================================== thread-safe API
+    def submit(self, specs: Sequence[RequestSpec]) -> list[Future]:
+        """Queue requests; each future resolves to a RequestOutput (aborted ones included)."""
+        for s in specs:
+            self._validate(s)
+        futures: list[Future] = [Future() for _ in specs]
+        pending = [_Request(s, self._stop_ids(s), f) for s, f in zip(specs, futures)]
+
+        def failed(cmd: Future) -> None:  # engine stopped before the requests were queued
+            if cmd.exception() is not None:
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(cmd.exception())
+
+        self._call(lambda: self._waiting.extend(pending)).add_done_callback(failed)
+        return futures
+
+    def generate(self, specs: Sequence[RequestSpec], timeout: float | None = None) -> list[RequestOutput]:
+        return [f.result(timeout) for f in self.submit(specs)]
+
+    def abort(self, rid: str | Sequence[str] | None = None, *, abort_all: bool = False) -> int:
+        """Finish the requests with these rids (or all) with finish_reason abort; returns how many."""
+        rids = {rid} if isinstance(rid, str) else set(rid or ())
+        return self._call(lambda: self._abort_where(lambda r: abort_all or r.spec.rid in rids,
+                                                    "Abort requested")).result()
+
+    def pause(self, mode: PauseMode = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}; got {mode!r}")
+        self._call(lambda: self._pause(mode)).result()
+
+    def resume(self) -> None:
+        self._call(lambda: setattr(self, "_paused", False)).result()
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests hold KV (running, or paused in_place).
+        Retracted and queued requests hold none, so pause(retract) + flush works, as Miles relies on."""
+        return self._call(self._flush_cache).result()
+
+    def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> None:
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        self._call(lambda: setattr(self, "weight_version", str(version))).result()
+
+    def update_weights_from_disk(self, path: str | Path, *, weight_version: str | None = None,
+                                 abort_all_requests: bool = False, keep_pause: bool = False,
+                                 timeout: float | None = None) -> UpdateResult:
+        """Load a whole checkpoint or one bucket from a HF-layout directory.
+
+        Inside a begin/end session the tensors are staged and applied at end_weight_update. Outside
+        one, this is begin + load + end in one step: it waits until nothing runs (or the engine is
+        paused), applies, rebuilds the runtime copies, and resumes generation unless keep_pause.
+        """
+        path = Path(path)
+        try:
+            cfg, tensors = read_weight_dir(path, fp8_block=self.store.fp8_block)  # off the scheduler thread
+        except (OSError, ValueError) as exc:
+            return UpdateResult(False, f"cannot read weights from {path}: {exc}")
+        num_aborted = self.abort(abort_all=True) if abort_all_requests else 0
+
+        def apply() -> UpdateResult:
+            update = self.store.check_update(tensors, source=str(path), cfg=cfg)
+            if self._session is not None:
+                self._session.update(update)
+                if weight_version is not None:
+                    self._session_version = str(weight_version)
+                return UpdateResult(True, f"Staged {len(update)} tensors from {path}; they take effect at "
+                                          "/end_weight_update.", num_aborted)
+            self._commit(update, weight_version)
+            if not keep_pause:
+                self._paused = False
+            return UpdateResult(True, f"Succeeded to update model weights from {path} ({len(update)} tensors).",
+                                num_aborted)
+
+        return self._guarded(self._call(apply, when_idle=True), timeout)
+
+    def begin_weight_update(self, timeout: float | None = None) -> UpdateResult:
+        """Open a staging session (waits until nothing runs); nothing is scheduled until it ends."""
+        def begin() -> UpdateResult:
+            if self._session is not None:
+                raise WeightUpdateError("a weight update session is already open; call /end_weight_update first")
+            self._session, self._session_version = {}, None
+            return UpdateResult(True, "Weight update session opened; generation is held until /end_weight_update.")
+
+        return self._guarded(self._call(begin, when_idle=True), timeout)
+
+    def end_weight_update(self, timeout: float | None = None) -> UpdateResult:
+        """Apply the staged tensors, rebuild every runtime copy, close the session, resume scheduling."""
+        def end() -> UpdateResult:
+            if self._session is None:
+                raise WeightUpdateError("no weight update session is open; call /begin_weight_update first")
+            staged, version = self._session, self._session_version
+            self._session = self._session_version = None
+            self._commit(staged, version)
+            return UpdateResult(True, f"Weight update session closed: {len(staged)} tensors applied, runtime "
+                                      "copies rebuilt.")
+
+        return self._guarded(self._call(end), timeout)
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 of every runtime parameter and buffer (what the engine computes with)."""
+        return self._call(lambda: runtime_checksums(self.model)).result()
+
+    def status(self) -> dict[str, Any]:
+        def snapshot() -> dict[str, Any]:
+            return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
+                    "paused": self._paused, "weight_update_session": self._session is not None,
+                    "weight_version": self.weight_version, "prefix_cache_entries": len(self._prefix),
+                    "stored_tensors": self.store.storage_summary(), **self._stats}
+        return self._call(snapshot).result()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the scheduler; pending requests and commands fail with EngineStopped."""
+        if not self._thread.is_alive():
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # ================================================================== plumbing
+    def _call(self, fn: Callable[[], Any], *, when_idle: bool = False) -> Future:
+        fut: Future = Future()
+        if self._stopping or not self._thread.is_alive():
+            fut.set_exception(EngineStopped("the rollout engine is shut down"))
+            return fut
+        self._commands.put(_Command(fn, fut, when_idle))
+        return fut
+
+    @staticmethod
+    def _guarded(fut: Future, timeout: float | None) -> UpdateResult:
+        try:
+            return fut.result(timeout)
+        except (WeightUpdateError, ValueError) as exc:
+            return UpdateResult(False, str(exc))
+
+    def _validate(self, s: RequestSpec) -> None:
+        n = len(s.input_ids)
+        if n == 0:
+            raise ValueError(f"request {s.rid}: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
+        bad = [t for t in s.input_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"request {s.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        if n >= self.context_length:  # outputs stop at the context length with finish_reason length
+            raise ValueError(f"request {s.rid}: {n} prompt tokens leave no room in the context length "
+                             f"{self.context_length}")
+        if not -1 <= s.logprob_start_len < n:
+            raise ValueError(f"request {s.rid}: logprob_start_len {s.logprob_start_len} must be -1 or in [0, {n})")
+        if s.stop_strings and self.tokenizer is None:
+            raise ValueError(f"request {s.rid}: stop strings need a tokenizer, and {self.model_dir} has none; "
+                             "use stop_token_ids")
+
+    def _stop_ids(self, s: RequestSpec) -> frozenset[int]:
+        return frozenset(s.sampling.stop_token_ids) | (frozenset() if s.sampling.ignore_eos else self.eos_ids)
+
+    # ================================================================== scheduler thread
+    def _loop(self) -> None:
+        while True:
+            idle = not (self._schedulable and (self._waiting or self._running))
+            try:
+                first = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                first = False
+            commands = [] if first is False else [first]
+            while not self._commands.empty():
+                commands.append(self._commands.get_nowait())
+            if None in commands:
+                self._stop(commands)
+                return
+            for c in commands:
+                (self._deferred.append(c) if c.when_idle else self._run(c))
+            while self._deferred and (self._paused or self._session is not None or not self._running):
+                self._run(self._deferred.popleft())
+            if self._schedulable:
+                self._step()
+
+    @property
+    def _schedulable(self) -> bool:
+        return not self._paused and self._session is None
+
+    @staticmethod
+    def _run(c: _Command) -> None:
+        try:
+            c.future.set_result(c.fn())
+        except BaseException as exc:  # delivered to the caller, the scheduler keeps going
+            c.future.set_exception(exc)
+
+    def _step(self) -> None:
+        admitted: list[_Request] = []
+        try:
+            room = self.config.max_running_requests - len(self._running)
+            while self._waiting and room > 0 and not self._deferred:
+                admitted.append(self._waiting.popleft())
+                room -= 1
+            if admitted:
+                self._prefill(admitted)
+            if self._running:
+                self._decode_step()
+        except Exception as exc:  # a model error fails the requests in flight, not the server
+            log.exception("rollout engine step failed")
+            for r in {id(r): r for r in admitted + self._running}.values():
+                if not r.future.done():
+                    r.future.set_exception(RuntimeError(f"rollout engine step failed: {exc!r}"))
+            self._running = []
+
+    def _stop(self, commands: list[_Command | None]) -> None:
+        self._stopping = True
+        err = EngineStopped("the rollout engine was shut down")
+        while not self._commands.empty():
+            commands.append(self._commands.get_nowait())
+        for c in list(self._deferred) + [c for c in commands if c is not None]:
+            c.future.set_exception(err)
+        for r in list(self._waiting) + self._running:
+            r.future.set_exception(err)
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def _prefill(self, reqs: list[_Request]) -> None:
+        hits: dict[tuple[int, ...], _PrefixEntry] = {}
+        tops: dict[tuple[int, ...], int] = {}
+        for r in reqs:
+            key = tuple(r.sequence)
+            wants_top = r.spec.top_logprobs_num if r.input_logprobs is None else 0
+            if key in self._prefix and not wants_top:
+                hits[key] = self._prefix[key]
+                self._prefix.move_to_end(key)
+            else:
+                tops[key] = max(tops.get(key, 0), wants_top)
+        fresh = self._prefill_sequences(tops)
+        seen: set[tuple[int, ...]] = set()
+        for r in reqs:
+            key = tuple(r.sequence)
+            entry, top = fresh[key] if key in fresh else (hits[key], None)
+            if key in hits or key in seen:
+                r.cached_tokens = len(key)
+                self._stats["cached_tokens"] += len(key)
+            seen.add(key)
+            r.cache, r.next_logits = fork_cache(entry.cache), entry.last_logits
+            if r.input_logprobs is None:
+                self._set_input_logprobs(r, entry.token_logprobs, top)
+            if r.spec.sampling.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
+            else:
+                self._running.append(r)
+
+    def _prefill_sequences(self, tops: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], tuple[_PrefixEntry, Any]]:
+        """Prefill each distinct sequence once (equal lengths batched); `tops`: sequence -> top-k wanted."""
+        out: dict[tuple[int, ...], tuple[_PrefixEntry, Any]] = {}
+        by_len: dict[int, list[tuple[int, ...]]] = {}
+        for k in tops:
+            by_len.setdefault(len(k), []).append(k)
+        for group in by_len.values():
+            for i in range(0, len(group), PREFILL_CHUNK):
+                chunk = group[i:i + PREFILL_CHUNK]
+                ids = torch.tensor(chunk, dtype=torch.long)
+                logits, caches = self.model.prefill(ids)
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                token_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
+                for j, key in enumerate(chunk):
+                    k = tops.get(key, 0)
+                    top = _topk_rows(logp[j, :-1], k) if k else None
+                    entry = _PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j])
+                    out[key] = (entry, top)
+                    self._remember(key, entry)
+                self._stats["prefill_tokens"] += ids.numel()
+        return out
+
+    def _remember(self, key: tuple[int, ...], entry: _PrefixEntry) -> None:
+        if self.config.prefix_cache_entries <= 0:
+            return
+        self._prefix[key] = entry
+        self._prefix.move_to_end(key)
+        while len(self._prefix) > self.config.prefix_cache_entries:
+            self._prefix.popitem(last=False)
+
+    def _set_input_logprobs(self, r: _Request, token_lp: list[float], top: list | None) -> None:
+        n = len(r.spec.input_ids)
+        if not r.spec.return_logprob:
+            r.input_logprobs = []
+            return
+        start = r.spec.logprob_start_len if r.spec.logprob_start_len >= 0 else n - 1
+        r.input_logprobs = [None] + token_lp[start:n - 1]
+        if r.spec.top_logprobs_num:
+            r.input_top = [None] + (top[start:n - 1] if top is not None else [])
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        rows = self._running
+        logits = torch.stack([r.next_logits for r in rows])
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        keep: list[_Request] = []
+        for i, r in enumerate(rows):
+            spec = r.spec
+            row = logits[i]
+            if len(r.output_ids) < spec.min_new_tokens and r.stop_ids:
+                row = row.index_fill(0, torch.tensor(sorted(r.stop_ids)), float("-inf"))
+            tok = sample_token(row, spec.sampling, r.generator)
+            r.output_ids.append(tok)
+            r.output_logprobs.append(float(raw[i, tok]))
+            if spec.top_logprobs_num:
+                r.output_top.append(_topk_rows(raw[i:i + 1], spec.top_logprobs_num)[0])
+            self._stats["generated_tokens"] += 1
+            reason = self._finish_reason(r, tok)
+            if reason is None:
+                keep.append(r)
+            else:
+                self._finish(r, reason)
+        self._running = keep
+        if keep:
+            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), [r.cache for r in keep])
+            for i, r in enumerate(keep):
+                r.next_logits = nxt[i]
+
+    def _finish_reason(self, r: _Request, tok: int) -> dict[str, Any] | None:
+        """SGLang's order: length first, then stop tokens, then stop strings."""
+        n = len(r.output_ids)
+        if n >= r.spec.sampling.max_new_tokens or len(r.spec.input_ids) + n >= self.context_length:
+            return {"type": "length", "length": n}
+        if n < r.spec.min_new_tokens:
+            return None
+        if tok in r.stop_ids:
+            return {"type": "stop", "matched": tok}
+        if r.spec.stop_strings:
+            text = self.tokenizer.decode(r.output_ids)
+            for s in r.spec.stop_strings:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
+        r.cache = r.next_logits = None
+        out = RequestOutput(
+            rid=r.spec.rid, input_ids=r.spec.input_ids, output_ids=r.output_ids, finish_reason=reason,
+            output_logprobs=r.output_logprobs, output_top_logprobs=r.output_top,
+            input_logprobs=r.input_logprobs or [], input_top_logprobs=r.input_top,
+            cached_tokens=r.cached_tokens, num_retractions=r.num_retractions, weight_version=self.weight_version,
+            e2e_latency=time.monotonic() - r.created)
+        if not r.future.done():
+            r.future.set_result(out)
+
+    # ------------------------------------------------------------------ control (scheduler thread)
+    def _abort_where(self, match: Callable[[_Request], bool], message: str) -> int:
+        hit = [r for r in list(self._waiting) + self._running if match(r)]
+        ids = {id(r) for r in hit}
+        self._waiting = deque(r for r in self._waiting if id(r) not in ids)
+        self._running = [r for r in self._running if id(r) not in ids]
+        for r in hit:
+            self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
+        return len(hit)
+
+    def _pause(self, mode: str) -> None:
+        if mode == "abort":
+            self._abort_where(lambda r: True, "Abort: generation paused (pause_generation mode=abort)")
+        elif mode == "retract":
+            for r in self._running:
+                r.cache = r.next_logits = None
+                r.num_retractions += 1
+                self._stats["retractions"] += 1
+            self._waiting.extendleft(reversed(self._running))
+            self._running = []
+        self._paused = True
+
+    def _flush_cache(self) -> bool:
+        if self._running:
+            return False
+        self._prefix.clear()
+        return True
+
+    def _commit(self, update: Mapping[str, RawTensor], version: str | None) -> None:
+        """Apply stored tensors, rebuild every runtime copy, drop KV computed with the old weights."""
+        self.store.apply(update)
+        rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz, fault=self.config.fault)
+        self._prefix.clear()
+        self._stats["weight_updates"] += 1
+        if version is not None:
+            self.weight_version = str(version)
+
+
+def _topk_rows(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """Per row of a [N, vocab] logprob tensor: the k best (logprob, token id) pairs."""
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def _load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, if it ships one (needed for `text` inputs and stop strings)."""
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

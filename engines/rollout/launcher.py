@@ -1,0 +1,343 @@
+"""Real SGLang on GPU clusters: launch `python -m sglang.launch_server` on Ray nodes, and sync weights
+from a trainer over NCCL/RCCL with `/init_weights_update_group` + `/update_weights_from_distributed`.
+
+Launch: `SGLangServerSpec.from_preset(model_path, preset, profile)` takes the engine sizes from a run
+preset and the environment from a hardware profile, `build_launch_command` turns it into the
+command line, and `launch_sglang_servers` starts one Ray actor per engine (num_gpus = tp_size), each
+running the server on its node and reporting its URL; the fleet is handed back only once every
+server answers /health, and is stopped (process groups killed) on any failure. The environment sets
+SGLANG_RETURN_ORIGINAL_LOGPROB=1 so real SGLang returns the RAW logprobs our embedded engine returns.
+
+Weight sync (SGLang's protocol, reference/miles-sglang-megatron.md §2.2): the trainer is rank 0 of a
+dedicated process group (TCP store at master_address:master_port, prefixed by the group name); engine
+i's TP ranks are 1 + sum(tp sizes before i) onward. For every bucket the trainer POSTs names, dtypes and
+shapes to each engine and broadcasts the tensors from rank 0 in the same order. The announced dtype is
+the tensor's own and its bytes travel untouched (float8 as a uint8 view, `wire_view`), so FP8 E4M3
+weights, packed FP4 (int8) and UE8M0 scales arrive as the same bits, never value-converted; names are
+SGLang's (`sglang_named_tensors`).
+
+The launch and the sync need GPUs (tests marked `gpu`); the command line, the bucket metadata and
+the process-group protocol (gloo) are tested on CPU.
+
+    spec = SGLangServerSpec.from_preset("ckpt/hf-fp8", preset, profile)
+    fleet = launch_sglang_servers(spec, num_engines=2)
+    sync = DistributedWeightSync(fleet.clients, master_address=ip, master_port=29555, engine_world_sizes=[8, 8])
+    sync.connect(); sync.push(sglang_named_tensors(state, cfg), weight_version="10")
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from checkpoints.names import native_to_sglang_name
+from engines.rollout.sglang import SGLangClient, SGLangError
+
+
+@dataclass(kw_only=True)
+class SGLangServerSpec:
+    """Everything one `sglang.launch_server` process needs (sizes from a preset, env/flags from a profile)."""
+
+    model_path: str
+    """HF FP8 checkpoint directory, readable on every rollout node."""
+    tp_size: int = 8
+    """GPUs per engine (one Ray actor reserves this many)."""
+    ep_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float = 0.8
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    weight_version: str = "default"
+    api_key: str | None = None
+    deterministic: bool = False
+    """--enable-deterministic-inference (SGLang honours sampling_seed only then)."""
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+
+    @classmethod
+    def from_preset(cls, model_path: str, preset: Any, profile: Any = None, **overrides: Any) -> "SGLangServerSpec":
+        """Sizes from a run preset's rollout section (`engines.launch.RunPreset.rollout`: engine_tp, engine_ep,
+        engine_dp, max_running_requests, max_total_tokens, context_length, mem_fraction_static); environment
+        and interpreter from a hardware profile (`engines.profiles.HardwareProfile`: comm_env, launcher_env,
+        python). Keyword overrides win."""
+        r = preset.rollout
+        fields: dict[str, Any] = dict(
+            model_path=str(model_path), tp_size=r.engine_tp, ep_size=r.engine_ep, dp_size=r.engine_dp,
+            max_running_requests=r.max_running_requests, max_total_tokens=r.max_total_tokens,
+            context_length=r.context_length, mem_fraction_static=r.mem_fraction_static)
+        if profile is not None:
+            fields["env"] = {**profile.comm_env, **profile.launcher_env}
+            fields["python"] = profile.python
+        fields.update(overrides)
+        return cls(**fields)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1 or self.dp_size < 1:
+            raise ValueError(f"tp/ep/dp sizes must be >= 1; got {self.tp_size}/{self.ep_size}/{self.dp_size}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must lie in (0, 1); got {self.mem_fraction_static}")
+
+
+def build_launch_command(spec: SGLangServerSpec, *, host: str, port: int) -> list[str]:
+    """The `python -m sglang.launch_server ...` argv for one engine."""
+    cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
+           "--port", str(port), "--tp-size", str(spec.tp_size), "--mem-fraction-static", str(spec.mem_fraction_static),
+           "--trust-remote-code", "--weight-version", spec.weight_version]
+    for flag, value in (("--ep-size", spec.ep_size if spec.ep_size > 1 else None),
+                        ("--dp-size", spec.dp_size if spec.dp_size > 1 else None),
+                        ("--max-running-requests", spec.max_running_requests),
+                        ("--max-total-tokens", spec.max_total_tokens), ("--context-length", spec.context_length),
+                        ("--api-key", spec.api_key)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if spec.deterministic:
+        cmd.append("--enable-deterministic-inference")
+    return cmd + list(spec.extra_args)
+
+
+def launch_env(spec: SGLangServerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Process environment: the caller's, then the profile's, then RAW logprobs (as our engine returns)."""
+    env = dict(os.environ if base is None else base)
+    env.update(spec.env)
+    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    return env
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+class SGLangServerProcess:
+    """One SGLang server process on the node this (Ray actor) object lives on."""
+
+    def __init__(self, spec: SGLangServerSpec) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self.log_path = ""
+        self.url = ""
+
+    def start(self) -> str:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        log = tempfile.NamedTemporaryFile(prefix="sglang-", suffix=".log", delete=False)
+        self.log_path = log.name
+        self.proc = subprocess.Popen(build_launch_command(self.spec, host=host, port=port), env=launch_env(self.spec),
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 80) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the scheduler/detokenizer children too
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+
+@dataclass
+class SGLangFleet:
+    actors: list[Any]
+    urls: list[str]
+    clients: list[SGLangClient]
+
+    def stop(self) -> None:
+        import ray
+
+        for c in self.clients:
+            c.close()
+        ray.get([a.stop.remote() for a in self.actors])
+
+
+def launch_sglang_servers(spec: SGLangServerSpec, num_engines: int, *, ready_timeout: float = 1800.0) -> SGLangFleet:
+    """Start `num_engines` servers on the Ray cluster (one actor each, tp_size GPUs); wait until all are healthy."""
+    import ray
+
+    actor_cls = ray.remote(num_gpus=spec.tp_size, num_cpus=1)(SGLangServerProcess)
+    actors = [actor_cls.remote(spec) for _ in range(num_engines)]
+    urls = ray.get([a.start.remote() for a in actors])
+    clients = [SGLangClient(u, api_key=spec.api_key) for u in urls]
+    fleet = SGLangFleet(actors, urls, clients)
+    deadline = time.monotonic() + ready_timeout
+    try:
+        for actor, client in zip(actors, clients):
+            while not client.health():
+                code = ray.get(actor.returncode.remote())
+                if code is not None or time.monotonic() > deadline:
+                    tail = ray.get(actor.log_tail.remote())
+                    why = f"exited with code {code}" if code is not None else f"not healthy after {ready_timeout}s"
+                    raise SGLangError(f"SGLang server {client.base_url} {why}; command: "
+                                      f"{shlex.join(build_launch_command(spec, host='<node>', port=0))}\n{tail}")
+                time.sleep(2.0)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+# ---------------------------------------------------------------------------------------------- weight sync
+def init_weight_sync_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                           group_name: str, timeout_s: float = 600.0):
+    """Join SGLang's weight-update process group (the rendezvous SGLang's server side runs for its ranks)."""
+    from torch.distributed.distributed_c10d import (
+        Backend, PrefixStore, _new_process_group_helper, _world, rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout, **{options: None})
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def bucket_metadata(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """`names`, `dtypes` (torch dtype names, e.g. "float8_e4m3fn"), `shapes` of one broadcast bucket."""
+    return {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors in order into buckets of at most bucket_bytes (a larger tensor gets a bucket alone)."""
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > bucket_bytes:
+            yield current
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    if current:
+        yield current
+
+
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire: float8 tensors (E4M3 weights, UE8M0 scales) as their bytes (a uint8 view;
+    gloo and some NCCL builds have no float8 types), everything else as is. Never a value conversion."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def receive_bucket(group: Any, metadata: Mapping[str, Sequence[Any]]) -> list[tuple[str, torch.Tensor]]:
+    """Receiving side of one bucket (what a rank > 0 does after /update_weights_from_distributed):
+    allocate each tensor from the announced dtype and shape, receive its bytes from rank 0."""
+    import torch.distributed as dist
+
+    out = []
+    for name, dtype, shape in zip(metadata["names"], metadata["dtypes"], metadata["shapes"]):
+        t = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+        dist.broadcast(wire_view(t), src=0, group=group)
+        out.append((name, t))
+    return out
+
+
+def sglang_named_tensors(encoded: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Native on-disk names (`X.weight`, `X.scale`, from checkpoints.hf.encode_tensor) -> SGLang's HF names
+    (`model.layers...weight`, `...weight_scale_inv`), tensors untouched (same dtype, same bits)."""
+    for name, t in encoded:
+        if name.endswith(".scale"):
+            weight = native_to_sglang_name(name[: -len(".scale")] + ".weight")
+            yield weight[: -len("weight")] + "weight_scale_inv", t
+        else:
+            yield native_to_sglang_name(name), t
+
+
+class DistributedWeightSync:
+    """Trainer side (rank 0) of NCCL/RCCL weight sync to one or more SGLang engines."""
+
+    def __init__(self, clients: Sequence[SGLangClient], *, master_address: str, master_port: int,
+                 engine_world_sizes: Sequence[int], group_name: str = "weight_update_group", backend: str = "nccl",
+                 timeout_s: float = 600.0) -> None:
+        if len(clients) != len(engine_world_sizes):
+            raise ValueError(f"{len(clients)} clients but {len(engine_world_sizes)} engine world sizes")
+        self.clients, self.sizes = list(clients), list(engine_world_sizes)
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
+        self.group = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.sizes)
+
+    def connect(self) -> None:
+        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        calls = [self._pool.submit(c.init_weights_update_group, master_address=self.master_address,
+                                   master_port=self.master_port, rank_offset=o, world_size=self.world_size,
+                                   group_name=self.group_name, backend=self.backend)
+                 for c, o in zip(self.clients, offsets)]
+        self.group = init_weight_sync_group(backend=self.backend, master_address=self.master_address,
+                                            master_port=self.master_port, world_size=self.world_size, rank=0,
+                                            group_name=self.group_name, timeout_s=self.timeout_s)
+        for f in calls:
+            f.result()
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], *, weight_version: str | None = None,
+             bucket_bytes: int = 1 << 30, session: bool = True) -> int:
+        """Broadcast all tensors bucket by bucket; returns the number of buckets. With `session`, wraps the
+        transfer in /begin_weight_update ... /end_weight_update so engines post-process before resuming."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise RuntimeError("call connect() before push()")
+        if session:
+            self._everywhere("begin_weight_update")
+        batches = list(buckets(named, bucket_bytes))
+        for k, bucket in enumerate(batches):
+            last = k == len(batches) - 1
+            calls = [self._pool.submit(c.update_weights_from_distributed, **bucket_metadata(bucket),
+                                       group_name=self.group_name, flush_cache=last,
+                                       weight_version=weight_version if last else None) for c in self.clients]
+            for _, t in bucket:
+                dist.broadcast(wire_view(t), src=0, group=self.group)
+            for f in calls:
+                f.result()
+        if session:
+            self._everywhere("end_weight_update")
+        return len(batches)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.group is not None:
+            self._everywhere("destroy_weights_update_group", self.group_name)
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self._pool.shutdown()
+
+    def _everywhere(self, method: str, *args: Any) -> None:
+        for f in [self._pool.submit(getattr(c, method), *args) for c in self.clients]:
+            f.result()

@@ -1,0 +1,255 @@
+"""The rollout engine's weights: held exactly as the checkpoint stores them, plus the runtime copies.
+
+Two layers, as in SGLang's FP8 path (reference/miles-sglang-megatron.md §2.3, rl-frameworks.md pain 3):
+  stored    `WeightStore`: native name -> `QuantizedTensor` (FP8 E4M3 + 128x128 block scale, routed
+            experts FP4 E2M1 packed + UE8M0 1x32 scale) or the plain tensor (bf16, fp32, int64 tid2eid).
+            Updates replace stored tensors only, after validation (`check_update`).
+  runtime   the `DeepseekV4` module's parameters: every stored tensor dequantized (fp32 arithmetic)
+            and cast to the runtime dtype. `rebuild_runtime` recomputes all of them; it is what
+            `/end_weight_update` (SGLang's `post_process_weights`) runs. With the ROCm profile
+            (`rocm_fnuz`) FP8 weights are first converted to e4m3fnuz with doubled scales, the form
+            ROCm kernels read, and dequantized from there (same values by construction).
+
+Update validation refuses, naming the tensor: unknown names, wrong shapes, a storage kind other than
+the one held (FP4 experts arriving as FP8 bytes, a scale-less FP8 weight), and any change to a hash
+layer's `tid2eid` (a frozen routing table; an all-zero table is the buffer an exporter forgot).
+
+`FAULTS` simulate the known update bugs in `rebuild_runtime` so tests can prove the fidelity gate
+catches them: `fp4_as_fp8` (packed FP4 bytes decoded as FP8 values), `skip_rebuild` (the stale
+runtime copy of a server without post-processing), `transposed_scales` (a column-major scale read
+row-major). Never set outside tests.
+
+    store = WeightStore.from_dir("ckpt/")            # as stored
+    rebuild_runtime(model, store, rocm_fnuz=False)   # dequantized copies in the model
+    sums = runtime_checksums(model)                  # name -> sha256 of what the engine computes with
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from checkpoints.hf import (
+    FP8_BLOCK,
+    CheckpointError,
+    QuantizedTensor,
+    RawTensor,
+    _iter_tensors,
+    _native_name,
+    _pair,
+    _shard_listing,
+    read_config,
+)
+from engines.model import DeepseekV4, ModelConfig
+from engines.model.params import ParamSpec, native_param_specs
+from engines.quant import dequantize_fp8_blockwise, fp8_to_fnuz, scale_to_float32, tensor_checksum
+
+Fault = Literal["fp4_as_fp8", "skip_rebuild", "transposed_scales"]
+FAULTS: tuple[str, ...] = ("fp4_as_fp8", "skip_rebuild", "transposed_scales")
+
+
+class WeightUpdateError(ValueError):
+    """An update was refused; the message names the directory, the tensor and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_weight_dir(path: str | Path, *, fp8_block: tuple[int, int] = FP8_BLOCK
+                    ) -> tuple[ModelConfig | None, dict[str, RawTensor]]:
+    """Every tensor of a HF-layout directory (whole checkpoint or one bucket of it), as stored.
+
+    A bucket is the same layout as `v4rl export --format hf-fp8` (index + shards, native or SGLang
+    names, each quantized weight beside its scale) holding a subset of the tensors; config.json is
+    optional for a bucket (FP8 blocks are then `fp8_block`, the served checkpoint's). Weight/scale
+    pairing and dtype checks are `checkpoints.hf`'s.
+    """
+    path = Path(path)
+    cfg = None
+    if (path / "config.json").is_file():
+        cfg, raw_cfg = read_config(path)
+        fp8_block = tuple((raw_cfg.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK)
+    _, by_file = _shard_listing(path)
+    weights: dict[str, tuple[str, torch.Tensor]] = {}
+    scales: dict[str, tuple[str, torch.Tensor]] = {}
+    for file, disk_name, tensor in _iter_tensors(path, by_file):
+        native, is_scale = _native_name(disk_name, file)
+        if native is None:
+            continue
+        table = scales if is_scale else weights
+        if native in table:
+            raise CheckpointError(f"{file}: {disk_name!r} duplicates {native!r} from {table[native][0]}")
+        table[native] = (file, tensor)
+    orphans = sorted(set(scales) - set(weights))
+    if orphans:
+        raise CheckpointError(f"{path}: scale of {orphans[0]!r} has no weight in this directory "
+                              f"({len(orphans)} such scales); a bucket must carry each weight with its scale")
+    out: dict[str, RawTensor] = {}
+    for name, (file, tensor) in weights.items():
+        if name.endswith("tid2eid"):
+            out[name] = tensor
+        else:
+            out[name] = _pair(name, file, tensor, scales.get(name), fp8_block)
+    return cfg, out
+
+
+# ---------------------------------------------------------------------------------------------- the store
+class WeightStore:
+    """Native name -> tensor exactly as the checkpoint stores it; the engine's source of truth."""
+
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, RawTensor], *, source: str) -> None:
+        self.cfg = cfg
+        self.specs: dict[str, ParamSpec] = native_param_specs(cfg)
+        self.tensors: dict[str, RawTensor] = {}
+        missing = [n for n in self.specs if n not in tensors]
+        if missing:
+            raise CheckpointError(f"{source}: missing {missing[0]!r} ({len(missing)} tensors missing); "
+                                  "the engine needs a whole checkpoint to start")
+        for name in self.specs:  # validate kinds/shapes the same way updates are validated
+            self.tensors[name] = _check_one(name, tensors[name], self.specs, None, source)
+        unknown = [n for n in tensors if n not in self.specs]
+        if unknown:
+            raise CheckpointError(f"{source}: unknown tensor {unknown[0]!r}; not a tensor of this model config")
+        for name, t in self.tensors.items():
+            if name.endswith("tid2eid") and not bool(t.any()):
+                raise CheckpointError(f"{source}: {name} is all zeros, so every token would route to expert 0; "
+                                      "the checkpoint lost its hash-routing table: re-export it from the base model")
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "WeightStore":
+        cfg, tensors = read_weight_dir(path)
+        if cfg is None:
+            raise CheckpointError(f"{path} has no config.json; the engine starts from a whole HF checkpoint")
+        return cls(cfg, tensors, source=str(path))
+
+    def check_update(self, update: Mapping[str, RawTensor], *, source: str,
+                     cfg: ModelConfig | None = None) -> dict[str, RawTensor]:
+        """Validate an update against the held tensors; returns it (nothing is applied here)."""
+        if cfg is not None and cfg != self.cfg:
+            new, old = dataclasses.asdict(cfg), dataclasses.asdict(self.cfg)
+            fields = sorted(k for k in old if old[k] != new.get(k))
+            raise WeightUpdateError(f"{source}/config.json describes another model than the one served (fields "
+                                    f"{fields} differ); start a new server for a new model config")
+        if not update:
+            raise WeightUpdateError(f"{source} holds no tensors of this model; nothing to update")
+        return {name: _check_one(name, t, self.specs, self.tensors, source) for name, t in update.items()}
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        """Block shape of the served FP8 weights (what a config-less bucket is read with)."""
+        return next((t.block for t in self.tensors.values() if isinstance(t, QuantizedTensor) and t.kind == "fp8"),
+                    FP8_BLOCK)
+
+    def apply(self, update: Mapping[str, RawTensor]) -> None:
+        self.tensors.update(update)
+
+    def storage_summary(self) -> dict[str, int]:
+        """How many tensors of each stored form the engine holds (fp8, fp4, plain)."""
+        summary: dict[str, int] = {}
+        for t in self.tensors.values():
+            key = t.kind if isinstance(t, QuantizedTensor) else str(t.dtype).replace("torch.", "")
+            summary[key] = summary.get(key, 0) + 1
+        return summary
+
+
+def _check_one(name: str, t: RawTensor, specs: Mapping[str, ParamSpec], held: Mapping[str, RawTensor] | None,
+               source: str) -> RawTensor:
+    spec = specs.get(name)
+    if spec is None:
+        raise WeightUpdateError(f"{source}: {name!r} is not a tensor of the served model")
+    shape = t.shape if isinstance(t, QuantizedTensor) else tuple(t.shape)
+    if tuple(shape) != spec.shape:
+        raise WeightUpdateError(f"{source}: {name!r} has shape {tuple(shape)}; the served model has {spec.shape}")
+    if spec.kind == "int64":
+        if isinstance(t, QuantizedTensor) or t.dtype.is_floating_point:
+            raise WeightUpdateError(f"{source}: {name!r} must be an integer table, got a {_form(t)} tensor")
+        t = t.to(torch.int64)
+        if held is not None:
+            if not bool(t.any()):
+                raise WeightUpdateError(
+                    f"{source}: {name} is all zeros. tid2eid is a frozen buffer (not a parameter), so an exporter "
+                    "that only walks parameters sends zeros (miles#2706); refusing the update. Export buffers too, "
+                    "or leave tid2eid out of the update")
+            if not torch.equal(t, held[name]):
+                rows = int((t != held[name]).any(dim=-1).sum())
+                raise WeightUpdateError(f"{source}: {name} differs from the served table in {rows} token rows; "
+                                        "hash routing is frozen at initialisation and training never changes "
+                                        "it, so the update is refused (check the exporter's name mapping)")
+        return t
+    want_quantized = spec.kind in ("fp8", "fp4")
+    if want_quantized != isinstance(t, QuantizedTensor):
+        raise WeightUpdateError(f"{source}: {name!r} arrived as {_form(t)} but is stored as "
+                                f"{'a quantized weight with its scale' if want_quantized else spec.kind}; "
+                                "re-export with `--format hf-fp8` (the serving checkpoint's storage)")
+    if isinstance(t, QuantizedTensor):
+        now = held[name] if held is not None else None
+        if isinstance(now, QuantizedTensor) and now.kind != t.kind:
+            raise WeightUpdateError(
+                f"{source}: {name!r} arrived as {t.kind.upper()} but the engine holds it as {now.kind.upper()} "
+                f"(e.g. FP4 bytes would be decoded as FP8); the expert dtype of the export must match the served "
+                "checkpoint's `expert_dtype`")
+        if spec.kind == "fp8" and t.kind != "fp8":
+            raise WeightUpdateError(f"{source}: {name!r} is an FP8 linear but arrived as {t.kind.upper()}")
+        return t
+    if not t.dtype.is_floating_point:
+        raise WeightUpdateError(f"{source}: {name!r} has dtype {t.dtype}; expected a floating tensor")
+    return t
+
+
+def _form(t: RawTensor) -> str:
+    return f"{t.kind.upper()}+scale" if isinstance(t, QuantizedTensor) else str(t.dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------------------------------- runtime
+def prepare_runtime_model(cfg: ModelConfig, dtype: torch.dtype) -> DeepseekV4:
+    """An empty model in the runtime dtype; in bf16, the modules the reference keeps in fp32 stay fp32."""
+    model = DeepseekV4(cfg)
+    if dtype != torch.float32:
+        model = model.to(dtype).keep_fp32_where_reference_does()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def rebuild_runtime(model: DeepseekV4, store: WeightStore, *, rocm_fnuz: bool = False,
+                    fault: str | None = None) -> None:
+    """Recompute every runtime tensor from the stored form (in place, into the model's parameters).
+
+    Dequantization is fp32 arithmetic then one cast, the same as `checkpoints.hf.load_hf_checkpoint`,
+    so a rebuilt engine is bit-identical to one freshly loaded from the same files.
+    """
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
+    if fault == "skip_rebuild":
+        return
+    state = {name: _dequantize(t, rocm_fnuz, fault) for name, t in store.tensors.items()}
+    model.load_state_dict(state, strict=True)
+
+
+def _dequantize(t: RawTensor, rocm_fnuz: bool, fault: str | None) -> torch.Tensor:
+    if not isinstance(t, QuantizedTensor):
+        return t.float() if t.is_floating_point() else t
+    if fault == "transposed_scales":  # the bytes of a column-major scale read with the row-major shape
+        t = QuantizedTensor(t.data, t.scale.t().contiguous().reshape(t.scale.shape), t.kind, t.block)
+    if t.kind == "fp4" and fault == "fp4_as_fp8":  # each packed byte decoded as one E4M3 value
+        values = t.data.view(torch.float8_e4m3fn).float().repeat_interleave(2, dim=1)
+        return values * scale_to_float32(t.scale).repeat_interleave(t.block[1], dim=1)
+    if t.kind == "fp8" and rocm_fnuz:
+        q, s = fp8_to_fnuz(t.data, t.scale)
+        return dequantize_fp8_blockwise(q, s, block=t.block, out_dtype=torch.float32)
+    return t.dequantize(torch.float32)
+
+
+def _runtime_tensors(model: DeepseekV4) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def runtime_checksums(model: DeepseekV4) -> dict[str, str]:
+    """sha256 (dtype, shape, bytes) of every runtime parameter and buffer, tid2eid and RoPE tables included.
+
+    -0.0 is hashed as +0.0: e4m3fnuz has no negative zero, so the ROCm path turns FP8 -0 into +0, a
+    value-identical weight (products and sums come out the same) that must not fail the gate.
+    """
+    return {name: tensor_checksum(t + 0 if t.is_floating_point() else t) for name, t in _runtime_tensors(model)}

@@ -1,0 +1,24 @@
+"""`bench/rollout.py` runs end to end and writes the JSON the README quotes (slow: about a minute).
+Speeds are not asserted here (they live in the bench output, peers measured in the same run).
+
+    .venv/bin/python -m pytest tests/test_rollout_bench.py -q -m slow
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.rollout import main
+
+
+@pytest.mark.slow
+def test_bench_rollout_writes_its_json(tiny_checkpoint, tmp_path):
+    out = tmp_path / "rollout.json"
+    result = main(out, model_dir=tiny_checkpoint, repeats=1)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    t, u = result["throughput"], result["update"]
+    assert t["ours_http_tok_s"] > 0 and t["transformers_generate_tok_s"] > 0 and len(t["runs_s"]) == 1
+    assert u["update_total_s"] == pytest.approx(u["export_quantize_s"] + u["load_post_process_s"])
+    assert set(result["goals"]) == {"throughput_vs_transformers", "update_vs_restart"}

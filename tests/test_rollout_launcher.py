@@ -1,0 +1,147 @@
+"""Real-SGLang cluster path: launch command, environment, weight-sync buckets and names, and SGLang's
+weight-update process-group protocol (run here with gloo: trainer rank 0 in this process, a receiving
+rank 1 in a subprocess, FP8 / packed FP4 / UE8M0 / bf16 tensors must arrive bit-identical).
+
+The launch on Ray and NCCL/RCCL sync against real SGLang servers carry the `gpu` marker (they need
+`pip install -e '.[cluster]'`, GPUs and a Ray cluster): `pytest -m gpu tests/test_rollout_launcher.py`.
+
+    .venv/bin/python -m pytest tests/test_rollout_launcher.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from checkpoints.hf import encode_tensor
+from engines.quant import tensor_checksum
+from engines.rollout.launcher import (SGLangServerSpec, bucket_metadata, buckets, build_launch_command,
+                                      init_weight_sync_group, launch_env, sglang_named_tensors, wire_view)
+
+PRESET = SimpleNamespace(rollout=SimpleNamespace(engine_tp=8, engine_ep=4, engine_dp=1, max_running_requests=48,
+                                                 max_total_tokens=524288, context_length=16384,
+                                                 mem_fraction_static=0.85))
+PROFILE = SimpleNamespace(comm_env={"NCCL_IB_GID_INDEX": "1"}, launcher_env={"GPU_MAX_HW_QUEUES": "2"},
+                          python="/opt/venv/bin/python3")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_command_from_preset_and_profile():
+    spec = SGLangServerSpec.from_preset("/ckpt/dsv4-fp8", PRESET, PROFILE, api_key="k", weight_version="0")
+    cmd = build_launch_command(spec, host="10.0.0.5", port=30001)
+    assert cmd[:3] == ["/opt/venv/bin/python3", "-m", "sglang.launch_server"]
+    flags = dict(zip(cmd[3::1], cmd[4::1]))
+    for flag, value in (("--model-path", "/ckpt/dsv4-fp8"), ("--host", "10.0.0.5"), ("--port", "30001"),
+                        ("--tp-size", "8"), ("--ep-size", "4"), ("--max-running-requests", "48"),
+                        ("--max-total-tokens", "524288"), ("--context-length", "16384"),
+                        ("--mem-fraction-static", "0.85"), ("--api-key", "k"), ("--weight-version", "0")):
+        assert flags[flag] == value, flag
+    assert "--dp-size" not in cmd and "--trust-remote-code" in cmd
+    env = launch_env(spec, base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "NCCL_IB_GID_INDEX": "1", "GPU_MAX_HW_QUEUES": "2",
+                   "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        SGLangServerSpec(model_path="/x", mem_fraction_static=1.5)
+
+
+def test_sglang_names_and_buckets_keep_storage_bits():
+    w = torch.randn(128, 128)
+    encoded = (encode_tensor("layers.0.attn.wq_a.weight", w, "fp8")
+               + encode_tensor("layers.0.ffn.experts.3.w1.weight", w, "fp4")
+               + encode_tensor("layers.0.ffn.gate.tid2eid", torch.zeros(4, 2, dtype=torch.long), "int64"))
+    named = list(sglang_named_tensors(encoded))
+    assert [n for n, _ in named] == [
+        "model.layers.0.self_attn.wq_a.weight", "model.layers.0.self_attn.wq_a.weight_scale_inv",
+        "model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.3.gate_proj.weight_scale_inv",
+        "model.layers.0.mlp.topk.tid2eid"]
+    assert all(a is b for (_, a), (_, b) in zip(encoded, named))
+    meta = bucket_metadata(named)
+    assert meta["dtypes"] == ["float8_e4m3fn", "float8_e8m0fnu", "int8", "float8_e8m0fnu", "int64"]
+    assert meta["shapes"] == [[128, 128], [1, 1], [128, 64], [128, 4], [4, 2]]
+    sizes = [[n for n, _ in b] for b in buckets(named, bucket_bytes=128 * 128)]
+    assert sizes == [[named[0][0]], [n for n, _ in named[1:]]]
+    assert wire_view(named[0][1]).dtype == torch.uint8 and wire_view(named[2][1]).dtype == torch.int8
+
+
+RECEIVER = textwrap.dedent("""
+    import json, os, sys
+    from engines.quant import tensor_checksum
+    from engines.rollout.launcher import init_weight_sync_group, receive_bucket
+    port, meta = int(sys.argv[1]), json.loads(sys.argv[2])
+    group = init_weight_sync_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2,
+                                   rank=1, group_name="weight_update_group", timeout_s=60)
+    print(json.dumps({n: tensor_checksum(t) for n, t in receive_bucket(group, meta)}), flush=True)
+    os._exit(0)  # skip gloo's C++ teardown at interpreter exit, which can abort when the peer left first
+""")
+
+
+def test_weight_sync_group_protocol_delivers_the_same_bits():
+    import torch.distributed as dist
+
+    w = torch.randn(256, 128)
+    named = list(sglang_named_tensors(encode_tensor("layers.1.attn.wq_b.weight", w, "fp8")
+                                      + encode_tensor("layers.1.ffn.experts.0.w2.weight", w, "fp4")
+                                      + encode_tensor("layers.1.attn_norm.weight", w[0], "bf16")))
+    meta = bucket_metadata(named)
+    port = _free_port()
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), json.dumps(meta)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        group = init_weight_sync_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2,
+                                       rank=0, group_name="weight_update_group", timeout_s=60)
+        for _, t in named:
+            dist.broadcast(wire_view(t), src=0, group=group)
+        out, err = receiver.communicate(timeout=120)
+        dist.destroy_process_group(group)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+    assert receiver.returncode == 0, err
+    assert json.loads(out) == {n: tensor_checksum(t) for n, t in named}
+
+
+# ------------------------------------------------------------------------------------------- GPU cluster
+@pytest.mark.gpu
+def test_real_sglang_on_ray_generates_and_takes_distributed_weights(tmp_path):  # pragma: no cover - GPU only
+    """Needs: sglang installed, a GPU Ray cluster (RAY_ADDRESS), V4RL_SGLANG_MODEL = an HF FP8 checkpoint."""
+    pytest.importorskip("sglang")
+    ray = pytest.importorskip("ray")
+    model = os.environ.get("V4RL_SGLANG_MODEL")
+    if not model:
+        pytest.skip("set V4RL_SGLANG_MODEL to a DeepSeek-V4 HF FP8 checkpoint directory")
+    from checkpoints.hf import read_raw_tensors
+    from engines.rollout.launcher import DistributedWeightSync, launch_sglang_servers
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+    spec = SGLangServerSpec(model_path=model, tp_size=int(os.environ.get("V4RL_SGLANG_TP", "1")))
+    fleet = launch_sglang_servers(spec, num_engines=1)
+    try:
+        [client] = fleet.clients
+        [before] = client.generate_ids([[0, 100, 200]], {"max_new_tokens": 8, "temperature": 0})
+        sync = DistributedWeightSync([client], master_address=ray.util.get_node_ip_address(),
+                                     master_port=_free_port(), engine_world_sizes=[spec.tp_size])
+        sync.connect()
+        raw = read_raw_tensors(model)
+        encoded = [(n, t) for name, t in raw.items()
+                   for n, t in ([(name, t.data), (name[:-len("weight")] + "scale", t.scale)]
+                                if hasattr(t, "scale") else [(name, t)])]
+        assert sync.push(sglang_named_tensors(encoded), weight_version="resync", bucket_bytes=1 << 28) >= 1
+        [after] = client.generate_ids([[0, 100, 200]], {"max_new_tokens": 8, "temperature": 0})
+        assert after.output_ids == before.output_ids and after.weight_version == "resync"
+        sync.close()
+    finally:
+        fleet.stop()
