@@ -26,9 +26,9 @@ def load_ours(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Deep
     """Our model with the checkpoint's weights, dequantized, in `dtype` (fp32 where the reference keeps fp32)."""
     cfg, state = load_hf_checkpoint(model_dir, dequantize=True, out_dtype=torch.float32)
     model = DeepseekV4(cfg)
-    model.load_state_dict(state)
-    if dtype != torch.float32:
+    if dtype != torch.float32:  # set the dtype layout first, so fp32 tensors are never rounded through bf16
         model = model.to(dtype).keep_fp32_where_reference_does()
+    model.load_state_dict(state)
     return model.eval()
 
 

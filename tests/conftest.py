@@ -9,7 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# libgomp's default spin-wait makes every torch op ~10x slower on a loaded 2-core machine (measured:
+# tests/test_model.py 63 s -> 12 s); must be set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 # Nothing in the test suite may talk to anything but loopback, or phone home.
 os.environ.setdefault("DO_NOT_TRACK", "1")

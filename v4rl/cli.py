@@ -13,7 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-import typer
+# Before torch loads OpenMP: spin-waiting threads cost ~10x on small CPU machines (see tests/conftest.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import typer  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
@@ -93,12 +96,12 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
 
 @app.command()
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
-         seed: int = typer.Option(0),
+         seed: int = typer.Option(0), steps: int = typer.Option(10, help="GRPO steps of the demo run."),
          fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one.")) -> None:
-    """Run what exists so far on the tiny model and say what is not built yet."""
+    """The tiny-cpu rl-pipeline end to end under a local Prefect server; prints where the report is."""
     from v4rl.demo import run_demo
 
-    sys.exit(run_demo(workdir, seed=seed, fresh=fresh))
+    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps))
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.
