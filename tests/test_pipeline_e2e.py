@@ -2,7 +2,8 @@
 deployments from deployments/prefect.yaml, `prefect deployment run`, a process worker; artifacts go to an
 S3-compatible server (moto) on 127.0.0.1. Checks: the flow runs end Completed, the expected task runs and
 subflow runs exist, the report/progress/eval artifacts exist, and every uploaded object's checksum matches
-the run directory's file. A second nightly run has history to judge against.
+the run directory's file. The nightly deployment then runs, records its verdict in the store, and (with no
+earlier nights) says the pass@1 check needs more history.
 
     .venv/bin/python -m pytest tests/test_pipeline_e2e.py -q
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +30,16 @@ def _prefect(env: dict, *args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def _flow_runs(deployment_name: str) -> list:
+def _run_deployment(env: dict, name: str, params: dict):
+    """`prefect deployment run NAME --param params=...`, then one worker pass; returns the finished flow run."""
     from prefect import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
+    out = _prefect(env, "deployment", "run", name, "--param", "params=" + json.dumps(params))
+    match = re.search(r"UUID:\s*([0-9a-f-]{36})", out)
+    assert match, out
+    _prefect(env, "worker", "start", "--pool", "v4rl-process", "--run-once", timeout=1500)
     with get_client(sync_client=True) as client:
-        return client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name])))
+        return client.read_flow_run(match.group(1))
 
 
 def _children(flow_run_id) -> tuple[list, list]:
@@ -62,10 +68,7 @@ def test_pipeline_and_nightly_through_deployments(prefect_server, s3_bucket, tmp
     small = dict(runs_root=str(tmp_path / "runs"), steps=2, eval_interval=2, prompts_per_step=4, n_samples=4,
                  n_eval=8, eval_samples=4, align_prompts=2, store_url=store, s3_endpoint_url=s3_bucket.endpoint_url)
 
-    _prefect(env, "deployment", "run", "rl-pipeline/tiny-cpu", "--param",
-             "params=" + json.dumps({**small, "preset": "tiny-cpu", "run_key": "e2e"}))
-    _prefect(env, "worker", "start", "--pool", "v4rl-process", "--run-once", timeout=1500)
-    (run,) = _flow_runs("tiny-cpu")
+    run = _run_deployment(env, "rl-pipeline/tiny-cpu", {**small, "preset": "tiny-cpu", "run_key": "e2e"})
     assert run.state.is_completed(), run.state
     tasks, subflows = _children(run.id)
     names = {t.name.rsplit("-", 1)[0] for t in tasks}
@@ -87,11 +90,9 @@ def test_pipeline_and_nightly_through_deployments(prefect_server, s3_bucket, tmp
         assert hashlib.sha256(body).hexdigest() == entry["sha256"] == hashlib.sha256(
             (run_dir / rel).read_bytes()).hexdigest(), rel
 
-    _prefect(env, "deployment", "run", "nightly-validation/nightly", "--param",
-             "params=" + json.dumps({k: small[k] for k in ("runs_root", "steps", "eval_interval", "prompts_per_step",
-                                                            "n_eval", "store_url", "s3_endpoint_url")}))
-    _prefect(env, "worker", "start", "--pool", "v4rl-process", "--run-once", timeout=1500)
-    (night,) = _flow_runs("nightly")
+    night = _run_deployment(env, "nightly-validation/nightly",
+                            {k: small[k] for k in ("runs_root", "steps", "eval_interval", "prompts_per_step", "n_eval",
+                                                   "store_url", "s3_endpoint_url")})
     assert night.state.is_completed(), night.state
     records = [k for k in s3_bucket.keys("v4rl/runs/") if k.endswith("/nightly.json")]
     assert len(records) == 1

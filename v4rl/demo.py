@@ -1,83 +1,101 @@
-"""`v4rl demo`: the tiny-cpu path as far as it is built.
+"""`v4rl demo`: the tiny-cpu rl-pipeline end to end under Prefect.
 
-1. take the tiny DeepSeek-V4 base checkpoint (FP8 + FP4 experts): the committed asset that
+1. the tiny DeepSeek-V4 base checkpoint (FP8 + FP4 experts): the committed asset that
    `v4rl bootstrap --seed 0` reproduces byte for byte, or a fresh bootstrap with `--fresh`;
-2. load it in our engine and in transformers' reference, sample held-out answers with our engine and
-   score the same tokens under both (per-token |Δlogprob|);
-3. report held-out pass@1 / pass@8;
-4. list the pipeline stages that are not built yet.
+2. a local Prefect server on 127.0.0.1 (own PREFECT_HOME under the work dir) unless PREFECT_API_URL is set;
+3. the rl-pipeline flow: preflight, HF FP8 -> torch_dist conversion, megatron-core verification, alignment
+   gate, GRPO segments on a loopback Ray cluster with evaluations, uploads, the report;
+4. where the report and artifacts are, and how to open the run in the Prefect UI.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
-from rich.table import Table
-
-NOT_BUILT = [
-    ("convert / verify", "HF FP8 -> Megatron torch_dist BF16 conversion, megatron-core load check"),
-    ("serve-rollout", "SGLang-compatible HTTP rollout server with online weight updates"),
-    ("align / train", "train-vs-rollout alignment report, GRPO + TIS on Ray"),
-    ("pipeline", "Prefect flows, eval subflows, artifact upload, deployments, nightly validation"),
-    ("plan", "parallel layout planner, MI355X profile, Miles launch plans"),
-]
-
 
 ASSET = Path(__file__).resolve().parent.parent / "tests" / "assets" / "tiny-base"
+QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1", "RAY_USAGE_STATS_ENABLED": "0",
+             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False) -> int:
-    from engines.rollout.sampling import SamplingParams, generate
-    from engines.score import load_ours, load_reference, token_logprobs
-    from engines.train.bootstrap import BootstrapConfig, bootstrap, evaluate_pass_at_k
-    from rl.math_task import make_splits
-
+def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 10) -> int:
     console = Console()
-    base = workdir / "base"
+    workdir = workdir.resolve()
+    os.environ.update({k: os.environ.get(k, v) for k, v in QUIET_ENV.items()})
+    base = _base_checkpoint(workdir, seed, fresh, console)
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):
+        server, home = _start_prefect(workdir / "prefect-home", console)
+    try:
+        from flows.params import PipelineParams
+        from flows.rl_pipeline import rl_pipeline
+
+        params = PipelineParams.preset_defaults("tiny-cpu", run_key="demo", runs_root=str(workdir),
+                                                hf_checkpoint=str(base), steps=steps, eval_interval=max(1, steps // 2),
+                                                prompts_per_step=32, n_eval=64, seed=seed)
+        console.print(f"[bold]rl-pipeline[/] {steps} GRPO steps on tiny-cpu (run dir {params.run_dir})")
+        result = rl_pipeline(params)
+        summary = result["summary"]
+        console.print(f"\n[bold green]done[/]: report {params.run_dir / 'report.md'}, artifacts {params.store}")
+        for k in ("pass@1_first", "pass@1_last", "pass@8_first", "pass@8_last", "logprob_abs_diff_mean"):
+            if k in summary:
+                console.print(f"  {k}: {summary[k]:.3f}")
+        if server is not None:
+            console.print(f"\nOpen the run in the Prefect UI: PREFECT_HOME={home} .venv/bin/prefect server start "
+                          "--host 127.0.0.1  then http://127.0.0.1:4200 (Runs -> rl-pipeline, Artifacts)")
+        return 0
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def _base_checkpoint(workdir: Path, seed: int, fresh: bool, console: Console) -> Path:
     if not fresh and seed == 0 and (ASSET / "bootstrap.json").exists():
-        base = ASSET
-        console.print(f"[bold]1. base checkpoint[/]: {base} (committed; `v4rl bootstrap --out DIR --seed 0` "
-                      "rebuilds it byte for byte in a few minutes; `v4rl demo --fresh` does that here)")
-    elif (base / "bootstrap.json").exists() and not fresh:
-        console.print(f"[bold]1. base checkpoint[/]: reusing {base}")
+        console.print(f"[bold]base checkpoint[/]: {ASSET} (committed; `v4rl bootstrap --out DIR --seed 0` rebuilds "
+                      "it byte for byte; `v4rl demo --fresh` does that here)")
+        return ASSET
+    from engines.train.bootstrap import BootstrapConfig, bootstrap
+
+    base = workdir / "base"
+    if (base / "bootstrap.json").exists() and not fresh:
+        return base
+    console.print(f"[bold]base checkpoint[/]: bootstrapping the tiny model into {base}")
+    bootstrap(base, BootstrapConfig(seed=seed), log=console.print)
+    return base
+
+
+def _start_prefect(home: Path, console: Console):
+    import socket
+    import time
+    import urllib.request
+
+    home.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PREFECT_HOME": str(home)}
+    log = open(home / "server.log", "a")  # noqa: SIM115 - owned by the server process
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port), "--no-ui"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the Prefect server exited with {proc.returncode}; see {home / 'server.log'}")
+        try:
+            with urllib.request.urlopen(api + "/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(0.5)
     else:
-        console.print(f"[bold]1. base checkpoint[/]: bootstrapping the tiny model into {base}")
-        bootstrap(base, BootstrapConfig(seed=seed), log=console.print)
-    summary = json.loads((base / "bootstrap.json").read_text())
-
-    console.print("[bold]2. our engine vs transformers' reference on the same tokens[/]")
-    ours, reference = load_ours(base), load_reference(base)
-    tokenizer = _tokenizer(base)
-    _, eval_rows = make_splits(0, summary["eval_problems"], summary["seed"])
-    prompts = [[tokenizer.bos_token_id] + tokenizer(r["prompt"], add_special_tokens=False).input_ids
-               for r in eval_rows[:16]]
-    outs = generate(ours, prompts, SamplingParams(temperature=1.0, max_new_tokens=8), n=2, seed=seed,
-                    eos_token_id=tokenizer.eos_token_id)
-    seqs = [{"prompt_ids": c.prompt_ids, "response_ids": c.output_ids} for group in outs for c in group]
-    lp_ours = token_logprobs(ours, seqs, vocab_size=ours.cfg.vocab_size)
-    lp_ref = token_logprobs(lambda ids: reference(input_ids=ids).logits, seqs, vocab_size=ours.cfg.vocab_size)
-    diffs = torch.tensor([abs(a - b) for x, y in zip(lp_ours, lp_ref) for a, b in zip(x, y)])
-    sampled = torch.tensor([lp for group in outs for c in group for lp in c.output_logprobs])
-    console.print(f"   {len(seqs)} sampled responses, {diffs.numel()} tokens: |Δlogprob| ours vs reference "
-                  f"mean {diffs.mean():.2e} max {diffs.max():.2e}; sampler vs rescoring max "
-                  f"{(sampled - torch.tensor([v for x in lp_ours for v in x])).abs().max():.2e}")
-
-    console.print("[bold]3. held-out pass@k of the base model[/] (temperature 1, 8 samples)")
-    pass1, pass8, mean_len = evaluate_pass_at_k(ours, tokenizer, eval_rows, n=8, seed=seed)
-    console.print(f"   pass@1 {pass1:.3f}  pass@8 {pass8:.3f}  mean response {mean_len:.1f} tokens "
-                  f"({len(eval_rows)} problems)")
-
-    table = Table("stage", "status")
-    for name, what in NOT_BUILT:
-        table.add_row(name, f"[yellow]not built yet[/]: {what}")
-    console.print(table)
-    return 0
-
-
-def _tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
+        proc.terminate()
+        raise TimeoutError(f"the Prefect server on {api} did not answer within 120 s; see {home / 'server.log'}")
+    os.environ.update({"PREFECT_API_URL": api, "PREFECT_HOME": str(home)})
+    console.print(f"[bold]Prefect[/]: local server {api} (PREFECT_HOME={home}, pid {proc.pid})")
+    return proc, home
