@@ -1,125 +1,139 @@
-"""The one DeepSeek-V4 parameter-name table: native <-> transformers <-> SGLang/Miles "HF" names.
+"""The one DeepSeek-V4 parameter-name table: native <-> transformers <-> SGLang/Miles "HF" <-> Megatron.
 
-Each row of `NAME_TABLE` names one tensor in every column; `{i}` is the layer index, `{e}` the
+Each row of `NAME_TABLE` names one native tensor in every column; `{i}` is the layer index, `{e}` the
 routed-expert index. Every direction is derived from the same rows, so a name is written once.
-A column can hold `FUSED` where that format merges several native tensors into one: transformers
-keeps the routed experts of a layer as two stacked tensors, built by `fuse_gate_up` / `fuse_down`
-(and split back by `split_gate_up` / `split_down`), see `EXPERT_FUSIONS`. A Megatron column is
-added the same way (one more entry per row, one more name in `COLUMNS`).
 
-Sources: transformers' `conversion_mapping.py` ("deepseek_v4") and `modeling_deepseek_v4.py` module
-names; SGLang's `DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format` (what Miles calls).
-Scale tensors (`X.scale` native, `X.weight_scale_inv` in HF-style checkpoints) are not in the table:
+A column holds a `Part` where that format fuses several native tensors into one: the native tensor
+is block `index` of `parts` equal blocks along dim 0 of the fused tensor, and when the native name has
+an `{e}` the fused tensor also stacks all routed experts along a new leading axis. So
+  transformers `mlp.experts.gate_up_proj`  [E, 2I, H] = per expert cat(w1, w3)   (w2 -> down_proj [E, H, I])
+  Megatron `mlp.experts.experts.linear_fc1.weight` [E, 2I, H] = per expert cat(w1, w3)   (w2 -> linear_fc2)
+  Megatron `mlp.shared_experts.linear_fc1.weight` [2I, H] = cat(w1, w3) of the shared expert
+Whole-state fusion (`native_to_megatron`, `native_to_transformers`), splitting, and the streaming
+converters' per-tensor placement (`placement`: which fused tensor, at which offsets) all read the
+same `Part`s.
+
+Megatron names follow Miles' DeepSeek-V4 bridge (`miles_plugins/mbridge/deepseekv4.py`,
+reference/miles-sglang-megatron.md §1.5, §3): per-layer keys `decoder.layers.<i>.…`, routed experts
+stacked as torch_dist stores them. Sources for the other columns: transformers' `conversion_mapping.py`
+("deepseek_v4") and `modeling_deepseek_v4.py`; SGLang's `remap_weight_name_to_dpsk_hf_format`.
+Scale tensors (`X.scale` native, `X.weight_scale_inv` HF-style) are not in the table:
 `checkpoints/hf.py` pairs them with their weight by suffix.
 
     >>> native_to_transformers_name("layers.3.attn.wq_a.weight")
     'model.layers.3.self_attn.q_a_proj.weight'
+    >>> native_to_megatron_name("layers.3.ffn.gate.bias")
+    'decoder.layers.3.mlp.router.expert_bias'
 
-Tested by `.venv/bin/python -m pytest tests/test_hf_checkpoint.py -q -k names`.
+Tested by `.venv/bin/python -m pytest tests/test_hf_checkpoint.py tests/test_names_megatron.py -q -k names`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from engines.model.config import ModelConfig
 
-COLUMNS = ("native", "transformers", "sglang")
-FUSED = "<fused>"
-"""Marks a column where several native tensors become one (see EXPERT_FUSIONS)."""
+
+@dataclass(frozen=True)
+class Part:
+    """A native tensor's place inside a fused tensor of another format (see module docstring)."""
+
+    name: str
+    """Name template of the fused tensor (`{i}` only: the expert index becomes an axis)."""
+    index: int
+    """Which of the `parts` equal blocks along dim 0 this native tensor is (gate = 0, up = 1)."""
+    parts: int
+    """How many native tensors are concatenated along dim 0 (2 for gate+up, 1 for a plain stack)."""
+
+
+Entry = str | Part
+COLUMNS = ("native", "transformers", "sglang", "megatron")
 IGNORED_NATIVE_PREFIXES = ("mtp.",)
 """Native tensors no format here carries (the MTP head): readers skip them, as transformers does."""
 
 _A = "layers.{i}.attn."
 _TA = "model.layers.{i}.self_attn."
+_MA = "decoder.layers.{i}.self_attention."
 _F = "layers.{i}.ffn."
 _TF = "model.layers.{i}.mlp."
+_MF = "decoder.layers.{i}.mlp."
 
 
-def _compressor_rows(native: str, tf: str, sgl: str) -> list[tuple[str, str, str]]:
+def _compressor_rows(native: str, tf: str, sgl: str, meg: str) -> list[tuple[str, str, str, str]]:
     return [
-        (native + "wkv.weight", tf + "kv_proj.weight", sgl + "wkv.weight"),
-        (native + "wgate.weight", tf + "gate_proj.weight", sgl + "wgate.weight"),
-        (native + "norm.weight", tf + "kv_norm.weight", sgl + "norm.weight"),
-        (native + "ape", tf + "position_bias", sgl + "ape"),
+        (native + "wkv.weight", tf + "kv_proj.weight", sgl + "wkv.weight", meg + "wkv.weight"),
+        (native + "wgate.weight", tf + "gate_proj.weight", sgl + "wgate.weight", meg + "wgate.weight"),
+        (native + "norm.weight", tf + "kv_norm.weight", sgl + "norm.weight", meg + "norm.weight"),
+        (native + "ape", tf + "position_bias", sgl + "ape", meg + "ape"),
     ]
 
 
-NAME_TABLE: tuple[tuple[str, ...], ...] = tuple([
-    # native                            transformers                                  sglang / miles
-    ("embed.weight",                     "model.embed_tokens.weight",                  "model.embed_tokens.weight"),
-    ("norm.weight",                      "model.norm.weight",                          "model.norm.weight"),
-    ("head.weight",                      "lm_head.weight",                             "lm_head.weight"),
-    ("hc_head_fn",                       "model.hc_head.hc_fn",                        "model.hc_head_fn"),
-    ("hc_head_base",                     "model.hc_head.hc_base",                      "model.hc_head_base"),
-    ("hc_head_scale",                    "model.hc_head.hc_scale",                     "model.hc_head_scale"),
-    ("layers.{i}.attn_norm.weight",      "model.layers.{i}.input_layernorm.weight",    "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight",       "model.layers.{i}.post_attention_layernorm.weight",
-                                         "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.hc_attn_fn",            "model.layers.{i}.attn_hc.fn",                "model.layers.{i}.hc_attn_fn"),
-    ("layers.{i}.hc_attn_base",          "model.layers.{i}.attn_hc.base",              "model.layers.{i}.hc_attn_base"),
-    ("layers.{i}.hc_attn_scale",         "model.layers.{i}.attn_hc.scale",             "model.layers.{i}.hc_attn_scale"),
-    ("layers.{i}.hc_ffn_fn",             "model.layers.{i}.ffn_hc.fn",                 "model.layers.{i}.hc_ffn_fn"),
-    ("layers.{i}.hc_ffn_base",           "model.layers.{i}.ffn_hc.base",               "model.layers.{i}.hc_ffn_base"),
-    ("layers.{i}.hc_ffn_scale",          "model.layers.{i}.ffn_hc.scale",              "model.layers.{i}.hc_ffn_scale"),
-    (_A + "wq_a.weight",                 _TA + "q_a_proj.weight",                      _TA + "wq_a.weight"),
-    (_A + "q_norm.weight",               _TA + "q_a_norm.weight",                      _TA + "q_norm.weight"),
-    (_A + "wq_b.weight",                 _TA + "q_b_proj.weight",                      _TA + "wq_b.weight"),
-    (_A + "wkv.weight",                  _TA + "kv_proj.weight",                       _TA + "wkv.weight"),
-    (_A + "kv_norm.weight",              _TA + "kv_norm.weight",                       _TA + "kv_norm.weight"),
-    (_A + "wo_a.weight",                 _TA + "o_a_proj.weight",                      _TA + "wo_a.weight"),
-    (_A + "wo_b.weight",                 _TA + "o_b_proj.weight",                      _TA + "wo_b.weight"),
-    (_A + "attn_sink",                   _TA + "sinks",                                _TA + "attn_sink"),
-    *_compressor_rows(_A + "compressor.", _TA + "compressor.", _TA + "compressor."),
-    (_A + "indexer.wq_b.weight",         _TA + "compressor.indexer.q_b_proj.weight",   _TA + "indexer.wq_b.weight"),
+def _same(native_tail: str, tf_tail: str) -> tuple[str, str, str, str]:
+    """A layer-level attention row whose SGLang and Megatron names keep the native leaf."""
+    return (_A + native_tail, _TA + tf_tail, _TA + native_tail, _MA + native_tail)
+
+
+_GATE_UP = Part(_TF + "experts.gate_up_proj", 0, 2), Part(_TF + "experts.gate_up_proj", 1, 2)
+_FC1 = Part(_MF + "experts.experts.linear_fc1.weight", 0, 2), Part(_MF + "experts.experts.linear_fc1.weight", 1, 2)
+_SHARED_FC1 = Part(_MF + "shared_experts.linear_fc1.weight", 0, 2), Part(_MF + "shared_experts.linear_fc1.weight", 1, 2)
+
+NAME_TABLE: tuple[tuple[Entry, ...], ...] = tuple([
+    # native                        transformers                          sglang / miles HF                     megatron (torch_dist)
+    ("embed.weight",                 "model.embed_tokens.weight",          "model.embed_tokens.weight",          "embedding.word_embeddings.weight"),
+    ("norm.weight",                  "model.norm.weight",                  "model.norm.weight",                  "decoder.final_layernorm.weight"),
+    ("head.weight",                  "lm_head.weight",                     "lm_head.weight",                     "output_layer.weight"),
+    ("hc_head_fn",                   "model.hc_head.hc_fn",                "model.hc_head_fn",                   "decoder.hc_head_params.hc_head_fn"),
+    ("hc_head_base",                 "model.hc_head.hc_base",              "model.hc_head_base",                 "decoder.hc_head_params.hc_head_base"),
+    ("hc_head_scale",                "model.hc_head.hc_scale",             "model.hc_head_scale",                "decoder.hc_head_params.hc_head_scale"),
+    ("layers.{i}.attn_norm.weight",  "model.layers.{i}.input_layernorm.weight",
+                                     "model.layers.{i}.input_layernorm.weight",
+                                                                           "decoder.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight",   "model.layers.{i}.post_attention_layernorm.weight",
+                                     "model.layers.{i}.post_attention_layernorm.weight",
+                                                                           "decoder.layers.{i}.pre_mlp_layernorm.weight"),
+    ("layers.{i}.hc_attn_fn",        "model.layers.{i}.attn_hc.fn",        "model.layers.{i}.hc_attn_fn",        "decoder.layers.{i}.hc_attn_fn"),
+    ("layers.{i}.hc_attn_base",      "model.layers.{i}.attn_hc.base",      "model.layers.{i}.hc_attn_base",      "decoder.layers.{i}.hc_attn_base"),
+    ("layers.{i}.hc_attn_scale",     "model.layers.{i}.attn_hc.scale",     "model.layers.{i}.hc_attn_scale",     "decoder.layers.{i}.hc_attn_scale"),
+    ("layers.{i}.hc_ffn_fn",         "model.layers.{i}.ffn_hc.fn",         "model.layers.{i}.hc_ffn_fn",         "decoder.layers.{i}.hc_ffn_fn"),
+    ("layers.{i}.hc_ffn_base",       "model.layers.{i}.ffn_hc.base",       "model.layers.{i}.hc_ffn_base",       "decoder.layers.{i}.hc_ffn_base"),
+    ("layers.{i}.hc_ffn_scale",      "model.layers.{i}.ffn_hc.scale",      "model.layers.{i}.hc_ffn_scale",      "decoder.layers.{i}.hc_ffn_scale"),
+    _same("wq_a.weight", "q_a_proj.weight"),
+    _same("q_norm.weight", "q_a_norm.weight"),
+    _same("wq_b.weight", "q_b_proj.weight"),
+    _same("wkv.weight", "kv_proj.weight"),
+    _same("kv_norm.weight", "kv_norm.weight"),
+    _same("wo_a.weight", "o_a_proj.weight"),
+    _same("wo_b.weight", "o_b_proj.weight"),
+    _same("attn_sink", "sinks"),
+    *_compressor_rows(_A + "compressor.", _TA + "compressor.", _TA + "compressor.", _MA + "compressor."),
+    (_A + "indexer.wq_b.weight",     _TA + "compressor.indexer.q_b_proj.weight",
+                                     _TA + "indexer.wq_b.weight",          _MA + "indexer.linear_wq_b.weight"),
     (_A + "indexer.weights_proj.weight", _TA + "compressor.indexer.scorer.weights_proj.weight",
-                                         _TA + "indexer.weights_proj.weight"),
-    *_compressor_rows(_A + "indexer.compressor.", _TA + "compressor.indexer.", _TA + "indexer.compressor."),
-    (_F + "gate.weight",                 _TF + "gate.weight",                          _TF + "gate.weight"),
-    (_F + "gate.bias",                   _TF + "gate.e_score_correction_bias",         _TF + "gate.e_score_correction_bias"),
-    (_F + "gate.tid2eid",                _TF + "gate.tid2eid",                         _TF + "topk.tid2eid"),
-    (_F + "experts.{e}.w1.weight",       FUSED,                                        _TF + "experts.{e}.gate_proj.weight"),
-    (_F + "experts.{e}.w2.weight",       FUSED,                                        _TF + "experts.{e}.down_proj.weight"),
-    (_F + "experts.{e}.w3.weight",       FUSED,                                        _TF + "experts.{e}.up_proj.weight"),
-    (_F + "shared_experts.w1.weight",    _TF + "shared_experts.gate_proj.weight",      _TF + "shared_experts.gate_proj.weight"),
-    (_F + "shared_experts.w2.weight",    _TF + "shared_experts.down_proj.weight",      _TF + "shared_experts.down_proj.weight"),
-    (_F + "shared_experts.w3.weight",    _TF + "shared_experts.up_proj.weight",        _TF + "shared_experts.up_proj.weight"),
+                                     _TA + "indexer.weights_proj.weight",  _MA + "indexer.linear_weights_proj.weight"),
+    *_compressor_rows(_A + "indexer.compressor.", _TA + "compressor.indexer.", _TA + "indexer.compressor.",
+                      _MA + "indexer.compressor."),
+    (_F + "gate.weight",             _TF + "gate.weight",                  _TF + "gate.weight",                  _MF + "router.weight"),
+    (_F + "gate.bias",               _TF + "gate.e_score_correction_bias", _TF + "gate.e_score_correction_bias",  _MF + "router.expert_bias"),
+    (_F + "gate.tid2eid",            _TF + "gate.tid2eid",                 _TF + "topk.tid2eid",                 _MF + "router.tid2eid"),
+    (_F + "experts.{e}.w1.weight",   _GATE_UP[0],                          _TF + "experts.{e}.gate_proj.weight", _FC1[0]),
+    (_F + "experts.{e}.w2.weight",   Part(_TF + "experts.down_proj", 0, 1), _TF + "experts.{e}.down_proj.weight",
+                                                                           Part(_MF + "experts.experts.linear_fc2.weight", 0, 1)),
+    (_F + "experts.{e}.w3.weight",   _GATE_UP[1],                          _TF + "experts.{e}.up_proj.weight",   _FC1[1]),
+    (_F + "shared_experts.w1.weight", _TF + "shared_experts.gate_proj.weight", _TF + "shared_experts.gate_proj.weight",
+                                                                           _SHARED_FC1[0]),
+    (_F + "shared_experts.w2.weight", _TF + "shared_experts.down_proj.weight", _TF + "shared_experts.down_proj.weight",
+                                                                           _MF + "shared_experts.linear_fc2.weight"),
+    (_F + "shared_experts.w3.weight", _TF + "shared_experts.up_proj.weight", _TF + "shared_experts.up_proj.weight",
+                                                                           _SHARED_FC1[1]),
 ])
 
 
-# ---------------------------------------------------------------------------------------------- expert fusions
-def fuse_gate_up(w1: list[torch.Tensor], w3: list[torch.Tensor]) -> torch.Tensor:
-    """Per-expert w1 `[I, H]` and w3 `[I, H]` -> transformers' `gate_up_proj` `[E, 2I, H]` (w1 rows first)."""
-    return torch.stack([torch.cat([a, b], dim=0) for a, b in zip(w1, w3, strict=True)])
-
-
-def split_gate_up(gate_up: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Inverse of fuse_gate_up: `[E, 2I, H]` -> (w1 per expert, w3 per expert)."""
-    inter = gate_up.shape[1] // 2
-    return [g[:inter] for g in gate_up], [g[inter:] for g in gate_up]
-
-
-def fuse_down(w2: list[torch.Tensor]) -> torch.Tensor:
-    """Per-expert w2 `[H, I]` -> transformers' `down_proj` `[E, H, I]`."""
-    return torch.stack(list(w2))
-
-
-def split_down(down: torch.Tensor) -> tuple[list[torch.Tensor]]:
-    """Inverse of fuse_down: `[E, H, I]` -> (w2 per expert,)."""
-    return (list(down),)
-
-
-# transformers name -> (native per-expert leaf names, fuse, split)
-EXPERT_FUSIONS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor], Callable[..., tuple]]] = {
-    _TF + "experts.gate_up_proj": (("w1", "w3"), fuse_gate_up, split_gate_up),
-    _TF + "experts.down_proj": (("w2",), fuse_down, split_down),
-}
-
-
-# ---------------------------------------------------------------------------------------------- lookups
+# ---------------------------------------------------------------------------------------------- name lookups
 _INDEX_RE = re.compile(r"(?<=layers\.)(\d+)(?=\.)|(?<=experts\.)(\d+)(?=\.)")
 
 
@@ -135,11 +149,11 @@ def _template(name: str) -> tuple[str, dict[str, str]]:
     return _INDEX_RE.sub(sub, name), found
 
 
-def _column_map(src: str, dst: str) -> dict[str, str]:
+def _column_map(src: str, dst: str) -> dict[str, Entry]:
     a, b = COLUMNS.index(src), COLUMNS.index(dst)
-    out: dict[str, str] = {}
+    out: dict[str, Entry] = {}
     for row in NAME_TABLE:
-        if row[a] == FUSED:
+        if isinstance(row[a], Part):
             continue
         if row[a] in out:
             raise AssertionError(f"NAME_TABLE column {src} lists {row[a]} twice")
@@ -147,23 +161,41 @@ def _column_map(src: str, dst: str) -> dict[str, str]:
     return out
 
 
+def _fused_rows(column: str) -> dict[str, list[tuple[str, Part]]]:
+    """Fused name template -> [(native template, Part)] of the rows that feed it, in table order."""
+    c = COLUMNS.index(column)
+    out: dict[str, list[tuple[str, Part]]] = {}
+    for row in NAME_TABLE:
+        if isinstance(row[c], Part):
+            out.setdefault(row[c].name, []).append((row[0], row[c]))
+    for name, rows in out.items():
+        got = sorted(p.index for _, p in rows)
+        if got != list(range(rows[0][1].parts)) or len({"{e}" in n for n, _ in rows}) != 1:
+            raise AssertionError(f"NAME_TABLE column {column}: the parts of {name} are {got}; "
+                                 "each fused tensor needs every block once and all-or-none stacked experts")
+    return out
+
+
 _MAPS = {(s, d): _column_map(s, d) for s in COLUMNS for d in COLUMNS if s != d}
+_FUSED = {c: _fused_rows(c) for c in COLUMNS[1:]}
+_NATIVE_ENTRY = {c: {row[0]: row[COLUMNS.index(c)] for row in NAME_TABLE} for c in COLUMNS[1:]}
 
 
 def convert_name(name: str, src: str, dst: str) -> str:
-    """Rename one tensor between columns; ValueError on an unknown name or a fused target."""
+    """Rename one tensor between columns; ValueError on an unknown name or a fused source or target."""
+    if src not in COLUMNS or dst not in COLUMNS:
+        raise ValueError(f"columns are {COLUMNS}; got {src!r} -> {dst!r}")
     template, idx = _template(name)
-    if src == "transformers" and template in EXPERT_FUSIONS:
-        raise ValueError(f"transformers tensor {name!r} is fused from all routed experts of a layer; "
-                         "use transformers_to_native")
+    if src != "native" and template in _FUSED[src]:
+        raise ValueError(f"{src} tensor {name!r} is fused from several native tensors; use {src}_to_native")
     try:
         target = _MAPS[(src, dst)][template]
     except KeyError:
         raise ValueError(f"unknown {src} DeepSeek-V4 tensor name {name!r}: it has no row in "
                          "checkpoints/names.py NAME_TABLE (a different model, or a name this table lacks)") from None
-    if target == FUSED:
-        raise ValueError(f"{src} tensor {name!r} is fused with the other experts in the {dst} format; "
-                         f"use native_to_{dst}")
+    if isinstance(target, Part):
+        raise ValueError(f"{src} tensor {name!r} is fused with other tensors into {target.name.format(**idx)} "
+                         f"in the {dst} format; use native_to_{dst} or placement()")
     return target.format(**idx)
 
 
@@ -183,53 +215,168 @@ def sglang_to_native_name(name: str) -> str:
     return convert_name(name, "sglang", "native")
 
 
+def native_to_megatron_name(name: str) -> str:
+    return convert_name(name, "native", "megatron")
+
+
+def megatron_to_native_name(name: str) -> str:
+    return convert_name(name, "megatron", "native")
+
+
+# ---------------------------------------------------------------------------------------------- placement
+@dataclass(frozen=True)
+class Placement:
+    """Where one native tensor lands in another format: a box of a (possibly fused) tensor."""
+
+    name: str
+    """Tensor name in the target format."""
+    offsets: tuple[int, ...]
+    """Start of the box along every axis of the target tensor."""
+    sizes: tuple[int, ...]
+    """Box extent: the native shape, with a leading 1 when experts are stacked."""
+    global_shape: tuple[int, ...]
+    """Full shape of the target tensor."""
+
+    @property
+    def whole(self) -> bool:
+        return self.sizes == self.global_shape
+
+
+def placement(native_name: str, shape: tuple[int, ...], column: str, n_experts: int) -> Placement:
+    """Box of the `column` tensor that holds native tensor `native_name` of logical `shape`.
+
+    `n_experts` is the routed-expert count (the stacked axis). Streaming converters use this to write
+    each native tensor as one chunk of a fused tensor without ever holding the fused tensor.
+    """
+    template, idx = _template(native_name)
+    try:
+        entry = _NATIVE_ENTRY[column][template]
+    except KeyError:
+        raise ValueError(f"unknown native DeepSeek-V4 tensor name {native_name!r}: it has no row in "
+                         "checkpoints/names.py NAME_TABLE") from None
+    shape = tuple(int(s) for s in shape)
+    if isinstance(entry, str):
+        return Placement(entry.format(**idx), (0,) * len(shape), shape, shape)
+    rows = shape[0]
+    fused = (entry.parts * rows, *shape[1:])
+    offsets = (entry.index * rows,) + (0,) * (len(shape) - 1)
+    if "e" in idx:
+        e = int(idx["e"])
+        if e >= n_experts:
+            raise ValueError(f"tensor {native_name!r}: expert {e} is out of range (n_routed_experts={n_experts})")
+        return Placement(entry.name.format(**idx), (e, *offsets), (1, *shape), (n_experts, *fused))
+    return Placement(entry.name.format(**idx), offsets, shape, fused)
+
+
+def _box(t: torch.Tensor, p: Placement) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.sizes))]
+
+
 # ---------------------------------------------------------------------------------------------- state dicts
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+def native_to_format(state: Mapping[str, torch.Tensor], cfg: ModelConfig, column: str) -> dict[str, torch.Tensor]:
+    """Native state -> `column` names, fused tensors assembled; every fused tensor must be complete."""
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, set[tuple[int, ...]]] = {}
+    for name, tensor in state.items():
+        p = placement(name, tuple(tensor.shape), column, cfg.n_routed_experts)
+        if p.whole:
+            out[p.name] = tensor
+            continue
+        if p.name not in out:
+            out[p.name] = torch.empty(p.global_shape, dtype=tensor.dtype)
+            filled[p.name] = set()
+        _box(out[p.name], p).copy_(tensor.reshape(p.sizes))
+        filled[p.name].add(p.offsets)
+    for fused, boxes in filled.items():
+        template, idx = _template(fused)
+        for native_template, part in _FUSED[column][template]:
+            experts = range(cfg.n_routed_experts) if "{e}" in native_template else [None]
+            for e in experts:
+                native = native_template.format(**idx, **({} if e is None else {"e": e}))
+                rows = out[fused].shape[1 if e is not None else 0] // part.parts
+                want = ((e,) if e is not None else ()) + (part.index * rows,)
+                if not any(b[: len(want)] == want for b in boxes):
+                    raise ValueError(f"tensor {native} is missing; {column} fuses it into {fused}, so every "
+                                     f"tensor of that group is needed (n_routed_experts={cfg.n_routed_experts})")
+    return out
+
+
+def format_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig, column: str) -> dict[str, torch.Tensor]:
+    """`column` state -> native names, fused tensors split back (views of the inputs)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        template, idx = _template(name)
+        rows = _FUSED[column].get(template)
+        if rows is None:
+            out[convert_name(name, column, "native")] = tensor
+            continue
+        stacked = "{e}" in rows[0][0]
+        parts = rows[0][1].parts
+        body = tensor.shape[1:] if stacked else tensor.shape
+        if (stacked and (tensor.ndim < 2 or tensor.shape[0] != cfg.n_routed_experts)) or body[0] % parts:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                             f"{'[n_routed_experts=' + str(cfg.n_routed_experts) + ', ' if stacked else '['}"
+                             f"{parts} x rows, ...] (fused from {len(rows)} native tensors)")
+        n = body[0] // parts
+        for native_template, part in rows:
+            for e in range(cfg.n_routed_experts) if stacked else [None]:
+                sub = tensor[e] if e is not None else tensor
+                native = native_template.format(**idx, **({} if e is None else {"e": e}))
+                out[native] = sub[part.index * n:(part.index + 1) * n]
+    return out
 
 
 def native_to_transformers(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Native names -> transformers' DeepseekV4ForCausalLM state_dict names (routed experts fused)."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        m = _EXPERT_RE.match(name)
-        if m:
-            layer, e, leaf = int(m.group(1)), int(m.group(2)), m.group(3)
-            if e >= cfg.n_routed_experts:
-                raise ValueError(f"tensor {name!r}: expert {e} is out of range, the config has "
-                                 f"n_routed_experts={cfg.n_routed_experts}")
-            experts.setdefault((layer, leaf), {})[e] = tensor
-            continue
-        out[native_to_transformers_name(name)] = tensor
-    layers = sorted({layer for layer, _ in experts})
-    for layer in layers:
-        for fused_template, (leaves, fuse, _split) in EXPERT_FUSIONS.items():
-            per_leaf = []
-            for leaf in leaves:
-                got = experts.pop((layer, leaf), {})
-                missing = [e for e in range(cfg.n_routed_experts) if e not in got]
-                if missing:
-                    raise ValueError(f"tensor layers.{layer}.ffn.experts.{missing[0]}.{leaf}.weight is missing; "
-                                     f"transformers fuses all {cfg.n_routed_experts} experts of a layer")
-                per_leaf.append([got[e] for e in range(cfg.n_routed_experts)])
-            out[fused_template.format(i=layer)] = fuse(*per_leaf)
-    return out
+    return native_to_format(state, cfg, "transformers")
 
 
 def transformers_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """transformers' DeepseekV4ForCausalLM state_dict names -> native names (routed experts split)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        template, idx = _template(name)
-        fusion = EXPERT_FUSIONS.get(template)
-        if fusion is None:
-            out[transformers_to_native_name(name)] = tensor
+    return format_to_native(state, cfg, "transformers")
+
+
+def native_to_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Native names -> Megatron torch_dist keys (routed experts stacked, gate/up fused as linear_fc1)."""
+    return native_to_format(state, cfg, "megatron")
+
+
+def megatron_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Megatron torch_dist keys -> native names (experts unstacked, linear_fc1 split into w1/w3)."""
+    return format_to_native(state, cfg, "megatron")
+
+
+# ---------------------------------------------------------------------------------------------- expert fusions
+def fuse_gate_up(w1: list[torch.Tensor], w3: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert w1 `[I, H]` and w3 `[I, H]` -> a `[E, 2I, H]` stack (w1 rows first), as the table's Parts say."""
+    return torch.stack([torch.cat([a, b], dim=0) for a, b in zip(w1, w3, strict=True)])
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inverse of fuse_gate_up: `[E, 2I, H]` -> (w1 per expert, w3 per expert)."""
+    inter = gate_up.shape[1] // 2
+    return [g[:inter] for g in gate_up], [g[inter:] for g in gate_up]
+
+
+def fuse_down(w2: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert w2 `[H, I]` -> `[E, H, I]`."""
+    return torch.stack(list(w2))
+
+
+def split_down(down: torch.Tensor) -> tuple[list[torch.Tensor]]:
+    """Inverse of fuse_down: `[E, H, I]` -> (w2 per expert,)."""
+    return (list(down),)
+
+
+def _expert_fusions(column: str) -> dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor], Callable[..., tuple]]]:
+    out = {}
+    for fused, rows in _FUSED[column].items():
+        if "{e}" not in rows[0][0]:
             continue
-        leaves, _fuse, split = fusion
-        if tensor.ndim != 3 or tensor.shape[0] != cfg.n_routed_experts:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected [n_routed_experts="
-                             f"{cfg.n_routed_experts}, ...] stacked experts")
-        for leaf, per_expert in zip(leaves, split(tensor), strict=True):
-            for e, t in enumerate(per_expert):
-                out[f"layers.{idx['i']}.ffn.experts.{e}.{leaf}.weight"] = t
+        leaves = tuple(n.split(".")[-2] for n, _ in sorted(rows, key=lambda r: r[1].index))
+        out[fused] = (leaves, *((fuse_gate_up, split_gate_up) if len(leaves) == 2 else (fuse_down, split_down)))
     return out
+
+
+EXPERT_FUSIONS = _expert_fusions("transformers")
+"""transformers name template -> (native per-expert leaves, fuse, split); derived from NAME_TABLE's Parts."""

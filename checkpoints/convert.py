@@ -1,0 +1,666 @@
+"""Streaming, parallel, atomic conversion between DeepSeek-V4 HF checkpoints and Megatron torch_dist.
+
+    convert_hf_to_torch_dist(src, dst, workers=N)        HF FP8 + FP4 (or BF16) -> torch_dist BF16
+    export_torch_dist_to_hf(src, dst, fmt="hf-fp8")      torch_dist -> HF native layout, BF16 or re-quantized
+    verify_torch_dist(dst, against=src)                  megatron-core loads it; names/shapes/dtypes/finite/values
+
+HF -> torch_dist: the source is validated from its safetensors headers before anything is written
+(checkpoints/hf_stream.py). Tensors are cut into jobs of about 1 GiB of output, never spanning a
+shard; each job runs in a worker process that reads one tensor at a time from its byte range,
+dequantizes it, checks it is finite and appends it to its own `__0_<job>.distcp` as one chunk of its
+Megatron tensor (a routed expert is a box of the stacked `[E, 2I, H]` tensor). A worker holds one
+tensor (input + output, in reused buffers) at a time, whatever the checkpoint size. The main process
+then writes `.metadata`, `common.pt` and `metadata.json`, checks the result with megatron-core and
+only then renames the hidden temporary directory into place (checkpoints/manifest.py). Re-running on
+a complete output is a no-op; a killed run leaves only a hidden `.DST.partial-*` directory.
+
+torch_dist -> HF reads each native tensor's box back (any chunking, so Megatron-written checkpoints
+work too) and streams safetensors shards. `hf-fp8` re-quantizes with the rollout engine's rules
+(`checkpoints/hf.py` `encode_tensor`); `like=` the original HF directory reuses its block scales where
+they are exact (byte-identical round trip for UE8M0 checkpoints) and copies its tokenizer files.
+
+Workers are processes (fork where available, one per core by default), one torch thread each.
+
+Tests: `.venv/bin/python -m pytest tests/test_convert.py -q`; benchmark: `v4rl bench convert --json out.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from checkpoints import hf
+from checkpoints.hf import INDEX_FILE, encode_tensor
+from checkpoints.hf_stream import (
+    ConversionError,
+    ExportFormat,
+    HFFiles,
+    SafetensorsStreamWriter,
+    Scratch,
+    SourcePlan,
+    SourceTensor,
+    check_finite,
+    decode,
+    hf_entries,
+    plan_source,
+    reference_decode,
+    requantize_like,
+    row_slice,
+)
+from checkpoints.manifest import AtomicOutput, is_complete, manifest_key, source_manifest
+from checkpoints.names import placement
+from checkpoints.torch_dist import (
+    IGNORED_KEY_PREFIXES,
+    RELEASE_DIR,
+    Box,
+    ChunkFileWriter,
+    ChunkRecord,
+    TensorSpec,
+    TorchDistError,
+    TorchDistReader,
+    check_storage_bounds,
+    hf_config_of,
+    import_megatron,
+    mark_release,
+    megatron_load,
+    megatron_specs,
+    megatron_tensor_metadata,
+    resolve_iteration_dir,
+    single_rank_process_group,
+    sync_files,
+    write_checkpointing_config,
+    write_common,
+    write_dcp_metadata,
+)
+from engines.model.config import ModelConfig
+from engines.model.params import native_param_specs
+
+__all__ = ["ConversionError", "ConversionResult", "VerifyReport", "convert_hf_to_torch_dist", "default_workers",
+           "export_torch_dist_to_hf", "verify_torch_dist"]
+Verify = Literal["none", "structure", "full"]
+JOB_BYTES = 1 << 30
+"""Output bytes per conversion job (one .distcp file); smaller when needed to keep every worker busy."""
+PIECE_BYTES = 256 << 20
+"""Unquantized tensors bigger than this are written as several row chunks (bounds a worker's memory)."""
+
+
+# ============================================================================================== worker pool
+_REPORT: Callable[[int], None] | None = None
+
+
+def _init_worker(q: Any) -> None:
+    global _REPORT
+    torch.set_num_threads(1)  # one process per core; intra-op threads would only contend
+    _REPORT = q.put
+
+
+def _report(nbytes: int) -> None:
+    if _REPORT is not None:
+        _REPORT(nbytes)
+
+
+class _Bar:
+    """A rich progress bar with bytes and bytes/s on stderr, or nothing."""
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self._progress = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
+            self._task = self._progress.add_task(label, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=n)
+
+    def __enter__(self) -> _Bar:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], *, workers: int, total: int, label: str,
+              progress: bool, meanwhile: Callable[[], Any] | None = None) -> list[Any]:
+    """Run jobs in `workers` processes (fork where available), advancing a byte progress bar; in order results.
+
+    workers=1 runs in this process. The first failing job stops every worker and re-raises its error.
+    `meanwhile` runs in a thread of this (otherwise idle) process once the workers exist.
+    """
+    global _REPORT
+    if meanwhile is not None:
+        meanwhile = _in_thread(meanwhile)
+    if workers <= 1 or len(jobs) <= 1:
+        if meanwhile is not None:
+            meanwhile()
+        with _Bar(label, total, progress) as bar:
+            _REPORT = bar.advance
+            try:
+                return [fn(j) for j in jobs]
+            finally:
+                _REPORT = None
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+    q = ctx.Queue()
+    ex = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(q,))
+    futures = {ex.submit(fn, j): i for i, j in enumerate(jobs)}  # workers fork here, before any thread starts
+    if meanwhile is not None:
+        meanwhile()
+    results: list[Any] = [None] * len(jobs)
+    try:
+        with _Bar(label, total, progress) as bar:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                _drain(q, bar)
+                for f in done:
+                    results[futures[f]] = f.result()
+            _drain(q, bar)
+        return results
+    except BrokenProcessPool as exc:
+        raise ConversionError("a conversion worker process died (killed by the OS: out of memory?); run again with "
+                              "fewer --workers") from exc
+    except BaseException:
+        _kill_workers(ex)
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+        q.close()
+
+
+def _in_thread(fn: Callable[[], Any]) -> Callable[[], None]:
+    def start() -> None:
+        threading.Thread(target=fn, name="v4rl-prefetch", daemon=True).start()
+    return start
+
+
+def _drain(q: Any, bar: _Bar) -> None:
+    while True:
+        try:
+            bar.advance(q.get_nowait())
+        except queue.Empty:
+            return
+
+
+def _kill_workers(ex: ProcessPoolExecutor) -> None:
+    terminate = getattr(ex, "terminate_workers", None)  # Python >= 3.14
+    if terminate is not None:
+        terminate()
+        return
+    for p in list((getattr(ex, "_processes", None) or {}).values()):
+        p.terminate()
+
+
+def default_workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+# ============================================================================================== HF -> torch_dist
+@dataclass(frozen=True)
+class _Piece:
+    """Rows `first_row:` of native tensor `full` (shape of the whole tensor), decoded from `source`."""
+
+    full: SourceTensor
+    source: SourceTensor
+    first_row: int = 0
+
+
+@dataclass(frozen=True)
+class _ConvertJob:
+    src: str
+    out: str
+    pieces: tuple[_Piece, ...]
+    n_experts: int
+
+
+def _convert_job(job: _ConvertJob) -> list[ChunkRecord]:
+    """Worker: decode the job's pieces one at a time and append each as a chunk to the job's .distcp file."""
+    files, scratch = HFFiles(Path(job.src)), Scratch()
+    try:
+        writer = ChunkFileWriter(Path(job.out), fsync=False)  # the parent fsyncs all files once, at the end
+    except OSError as exc:
+        raise _write_error(job.out, "a chunk file", exc) from exc
+    try:
+        for piece in job.pieces:
+            t = piece.source
+            where = f"{Path(job.src) / t.weight.file}: tensor {t.native!r}"
+            try:
+                out = decode(t, files, scratch)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise ConversionError(f"{where}: cannot decode ({exc})") from exc
+            check_finite(out, where)
+            p = placement(t.native, piece.full.shape, "megatron", job.n_experts)
+            offsets = (p.offsets[0] + piece.first_row, *p.offsets[1:])
+            sizes = p.sizes if t.shape == piece.full.shape else t.shape  # a row piece of a whole tensor
+            try:
+                writer.append(p.name, offsets, out.reshape(sizes))
+            except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+                raise _write_error(job.out, f"{p.name!r} (from {t.native!r})", exc) from exc
+            _report(t.out_nbytes)
+        try:
+            writer.close()
+        except OSError as exc:
+            raise _write_error(job.out, "the end of the chunk file", exc) from exc
+        return writer.records
+    finally:
+        writer.abort()
+        files.close()
+
+
+def _write_error(path: str, what: str, exc: BaseException) -> ConversionError:
+    reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+    return ConversionError(f"writing {what} to {path} failed: {reason}; check free space, quotas (ulimit -f) and "
+                           "permissions of the output disk, then run again")
+
+
+def _pieces(t: SourceTensor, n_experts: int) -> list[_Piece]:
+    """A big unquantized tensor (embed, head: 1 GiB in BF16) becomes row pieces of <= PIECE_BYTES, each its
+    own DCP chunk: a worker never holds more than that, and the two biggest tensors no longer pin two jobs."""
+    whole = placement(t.native, t.shape, "megatron", n_experts).whole
+    if t.quant is not None or not whole or t.out_nbytes <= PIECE_BYTES or len(t.shape) < 2:
+        return [_Piece(t, t)]
+    rows = max(1, t.shape[0] * PIECE_BYTES // t.out_nbytes)
+    return [_Piece(t, row_slice(t, lo, min(lo + rows, t.shape[0])), lo) for lo in range(0, t.shape[0], rows)]
+
+
+def _plan_jobs(plan: SourcePlan, out_dir: Path, workers: int) -> list[_ConvertJob]:
+    """Cut the source into jobs of about `target` output bytes, in shard order, never spanning a shard."""
+    total = sum(t.out_nbytes for t in plan.tensors.values())
+    target = max(64 << 20, min(JOB_BYTES, total // max(1, 4 * workers)))
+    by_shard: dict[str, list[_Piece]] = {}
+    for t in plan.tensors.values():
+        by_shard.setdefault(t.weight.file, []).extend(_pieces(t, plan.cfg.n_routed_experts))
+    groups: list[list[_Piece]] = []
+    for shard in sorted(by_shard):
+        current: list[_Piece] = []
+        size = 0
+        for piece in sorted(by_shard[shard], key=lambda p: p.source.weight.start):  # read front to back
+            n = piece.source.out_nbytes
+            if current and size + n > target:
+                groups.append(current)
+                current, size = [], 0
+            current.append(piece)
+            size += n
+        groups.append(current)
+    groups.sort(key=lambda g: -sum(p.source.out_nbytes for p in g))  # biggest first: better balance
+    return [_ConvertJob(str(plan.dir), str(out_dir / f"__0_{i}.distcp"), tuple(g), plan.cfg.n_routed_experts)
+            for i, g in enumerate(groups)]
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion did: `skipped` when the destination was already complete for this source."""
+
+    dst: Path
+    skipped: bool
+    tensors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    workers: int = 0
+    files: int = 0
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes_out / self.seconds if self.seconds else 0.0
+
+
+def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int | None = None, force: bool = False,
+                             verify: Verify = "structure", progress: bool = False,
+                             fsync: bool = True) -> ConversionResult:
+    """HF DeepSeek-V4 checkpoint (FP8/FP4 or BF16) -> Megatron torch_dist BF16 directory `dst` (see module doc).
+
+    verify: "structure" (megatron-core reads the metadata: names, shapes, dtypes; one tensor loaded and
+    compared), "full" (`verify_torch_dist(..., against=src)` before the rename), or "none".
+    """
+    t0 = time.perf_counter()
+    if verify not in ("none", "structure", "full"):
+        raise ValueError(f"verify must be none, structure or full; got {verify!r}")
+    src, dst = Path(src), Path(dst)
+    plan = plan_source(src)
+    key = manifest_key(source_manifest(src, plan.disk_names), {"to": "torch_dist", "format_version": 1})
+    if is_complete(dst, key):
+        return ConversionResult(dst, skipped=True)
+    workers = workers or default_workers()
+    with AtomicOutput(dst, force=force, key=key) as out:
+        rel = out.tmp / RELEASE_DIR
+        rel.mkdir()
+        jobs = _plan_jobs(plan, rel, workers)
+        total = sum(t.out_nbytes for t in plan.tensors.values())
+        results = _run_jobs(_convert_job, jobs, workers=workers, total=total, label="convert", progress=progress,
+                            meanwhile=import_megatron if verify != "none" else None)  # ~3 s, overlapped
+        if fsync:  # workers only started the writeback; make every chunk file durable before any metadata
+            sync_files(Path(j.out) for j in jobs)
+        specs = megatron_specs(plan.cfg)
+        write_dcp_metadata(rel, [r for rs in results for r in rs], specs)
+        write_common(rel, plan.cfg, hf_config=plan.raw_config, extra={"source": str(src.resolve()), "key": key})
+        write_checkpointing_config(rel)
+        mark_release(out.tmp)
+        if verify != "none":
+            _verify_structure(out.tmp, plan, specs)
+        if verify == "full":
+            verify_torch_dist(out.tmp, against=src, progress=progress)
+        seconds = time.perf_counter() - t0
+        bytes_out = sum(p.stat().st_size for p in rel.iterdir())
+        out.commit({"key": key, "kind": "hf->torch_dist", "source": str(src.resolve()), "tensors": len(plan.tensors),
+                    "skipped_source_tensors": plan.skipped, "workers": workers, "seconds": round(seconds, 3)})
+    return ConversionResult(dst, False, len(plan.tensors), sum(t.in_nbytes for t in plan.tensors.values()), bytes_out,
+                            seconds, workers, len(jobs))
+
+
+def _verify_structure(ckpt: Path, plan: SourcePlan, specs: dict[str, TensorSpec]) -> None:
+    """megatron-core sees exactly the model's tensors, every chunk is in bounds, one tensor loads right."""
+    check_storage_bounds(resolve_iteration_dir(ckpt))
+    _compare_specs(megatron_tensor_metadata(ckpt), specs, where=str(ckpt))
+    probe = plan.tensors["norm.weight"]
+    files = HFFiles(plan.dir)
+    try:
+        want = reference_decode(probe, files)
+    finally:
+        files.close()
+    key = placement(probe.native, probe.shape, "megatron", plan.cfg.n_routed_experts).name
+    with single_rank_process_group():
+        got = megatron_load(ckpt, [Box(key, (0,), specs[key].shape)], specs)[0]
+    if not torch.equal(got, want):
+        raise ConversionError(f"{ckpt}: megatron-core loads {key!r} with values different from the source; "
+                              "this is a bug in the converter, please report it")
+
+
+def _compare_specs(got: dict[str, TensorSpec], want: dict[str, TensorSpec], *, where: str) -> None:
+    missing = [k for k in want if k not in got]
+    unknown = [k for k in got if k not in want]
+    if missing:
+        raise TorchDistError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
+                             "checkpoint is incomplete or for another config")
+    if unknown:
+        raise TorchDistError(f"{where}: unknown tensor {unknown[0]!r} ({len(unknown)} unknown in all); not a "
+                             "DeepSeek-V4 tensor of this config (layers / experts / layer types differ?)")
+    for k, spec in want.items():
+        if got[k] != spec:
+            raise TorchDistError(f"{where}: tensor {k!r} is {got[k].dtype} {got[k].shape}; the config expects "
+                                 f"{spec.dtype} {spec.shape}")
+
+
+# ============================================================================================== verification
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of `verify_torch_dist`; it raises on the first problem, so a report means everything passed."""
+
+    ckpt: Path
+    tensors: int
+    bytes: int
+    compared: int
+    """Native tensors compared value by value against the HF source (0 without `against`)."""
+    seconds: float
+
+
+def verify_torch_dist(ckpt: str | Path, *, against: str | Path | None = None, batch_bytes: int = 1 << 30,
+                      progress: bool = False) -> VerifyReport:
+    """Load a torch_dist checkpoint with megatron-core and check it tensor by tensor.
+
+    Names, shapes and dtypes against the model config (stored in common.pt, else `against`'s
+    config.json); every tensor finite; with `against`, every value equal to engines/quant.py's
+    dequantization of the HF source. Tensors load in batches of about `batch_bytes` (big stacked
+    expert tensors as expert-axis fragments), so memory stays bounded.
+    """
+    t0 = time.perf_counter()
+    d = resolve_iteration_dir(ckpt)
+    plan = plan_source(against) if against is not None else None
+    raw = hf_config_of(d) or (plan.raw_config if plan else None)
+    if raw is None:
+        raise TorchDistError(f"{d}: common.pt does not carry the model config (not written by v4rl); pass the HF "
+                             "checkpoint it came from with --against")
+    cfg = ModelConfig.from_hf_dict(raw)
+    if plan is not None and plan.cfg != cfg:
+        raise TorchDistError(f"{d} holds a different model than {against} (their config.json differ)")
+    specs = megatron_specs(cfg)
+    natives: dict[str, list[tuple[str, Any]]] = {}
+    for name, spec in native_param_specs(cfg).items():
+        p = placement(name, spec.shape, "megatron", cfg.n_routed_experts)
+        natives.setdefault(p.name, []).append((name, p))
+    boxes = [b for key, spec in specs.items() for b in _split_box(key, spec, batch_bytes)]
+    total = sum(math.prod(b.sizes) * specs[b.key].dtype.itemsize for b in boxes)
+    values = _SourceValues(plan) if plan else None
+    try:
+        with single_rank_process_group(), _Bar("verify", total, progress) as bar:
+            check_storage_bounds(d)  # a truncated or missing .distcp: name the file, before megatron trips on it
+            _compare_specs(megatron_tensor_metadata(d), specs, where=str(d))
+            for batch in _batches(boxes, specs, batch_bytes):
+                for box, t in zip(batch, _load_batch(d, batch, specs)):
+                    check_finite(t, f"{d}: tensor {box.key!r} box {box.offsets}+{box.sizes}")
+                    if values is not None:
+                        values.check(box, t, natives[box.key])
+                    bar.advance(t.numel() * t.element_size())
+    finally:
+        if values is not None:
+            values.close()
+    compared = len(values.compared) if values else 0
+    return VerifyReport(d, len(specs), total, compared, time.perf_counter() - t0)
+
+
+def _load_batch(d: Path, batch: list[Box], specs: dict[str, TensorSpec]) -> list[torch.Tensor]:
+    try:
+        return megatron_load(d, batch, specs)
+    except Exception as exc:  # noqa: BLE001 - megatron-core / DCP wrap failures in several types
+        raise TorchDistError(f"{d}: megatron-core cannot load {batch[0].key!r} (and {len(batch) - 1} more in the "
+                             f"batch): {exc}") from exc
+
+
+def _split_box(key: str, spec: TensorSpec, batch_bytes: int) -> list[Box]:
+    nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+    rows = spec.shape[0]
+    parts = next((k for k in range(1, rows + 1) if rows % k == 0 and nbytes // k <= batch_bytes), rows)
+    step = rows // parts
+    return [Box(key, (i * step,) + (0,) * (len(spec.shape) - 1), (step, *spec.shape[1:])) for i in range(parts)]
+
+
+def _batches(boxes: list[Box], specs: dict[str, TensorSpec], batch_bytes: int) -> Iterable[list[Box]]:
+    batch: list[Box] = []
+    size = 0
+    for b in boxes:
+        n = math.prod(b.sizes) * specs[b.key].dtype.itemsize
+        if batch and size + n > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(b)
+        size += n
+    if batch:
+        yield batch
+
+
+class _SourceValues:
+    """Reference dequantization of source tensors for value checks; keeps the last one (boxes of a split
+    tensor come in a row) and records which native tensors were compared in full."""
+
+    def __init__(self, plan: SourcePlan) -> None:
+        self.plan, self.files = plan, HFFiles(plan.dir)
+        self._last: tuple[str, torch.Tensor] | None = None
+        self._seen: dict[str, int] = {}
+        self.compared: set[str] = set()
+
+    def check(self, box: Box, t: torch.Tensor, natives: list[tuple[str, Any]]) -> None:
+        """Compare the part of box `t` covered by each native tensor with its dequantized source."""
+        for native, p in natives:
+            lo = [max(po, bo) for po, bo in zip(p.offsets, box.offsets)]
+            hi = [min(po + ps, bo + bs) for po, ps, bo, bs in zip(p.offsets, p.sizes, box.offsets, box.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            got = t[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, box.offsets))]
+            want = self._decoded(native).reshape(p.sizes)[tuple(slice(l - o, h - o)
+                                                                 for l, h, o in zip(lo, hi, p.offsets))]
+            if not torch.equal(got, want):
+                src = self.plan.tensors[native]
+                diff = (got.float() - want.float()).abs().max().item()
+                raise ConversionError(f"{box.key!r} at {tuple(lo)} differs from the dequantized source tensor "
+                                      f"{native!r} ({self.plan.dir / src.weight.file}): max |diff| {diff:g}; "
+                                      "re-run the conversion with --force")
+            self._seen[native] = self._seen.get(native, 0) + math.prod(h - l for l, h in zip(lo, hi))
+            if self._seen[native] == math.prod(p.sizes):
+                self.compared.add(native)
+
+    def _decoded(self, native: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != native:
+            self._last = (native, reference_decode(self.plan.tensors[native], self.files))
+        return self._last[1]
+
+    def close(self) -> None:
+        self.files.close()
+
+
+# ============================================================================================== torch_dist -> HF
+@dataclass(frozen=True)
+class _ExportJob:
+    ckpt: str
+    out: str
+    natives: tuple[tuple[str, str, tuple[int, ...]], ...]
+    entries: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    fmt: ExportFormat
+    expert_dtype: str
+    scale_fmt: str
+    n_experts: int
+    like_dir: str | None
+    like: tuple[tuple[str, SourceTensor], ...]
+    fsync: bool
+
+
+def _export_job(job: _ExportJob) -> int:
+    reader = TorchDistReader(job.ckpt)
+    like = dict(job.like)
+    files = HFFiles(Path(job.like_dir)) if job.like_dir else None
+    writer = SafetensorsStreamWriter(Path(job.out), job.entries, fsync=job.fsync)
+    try:
+        for native, kind, shape in job.natives:
+            p = placement(native, shape, "megatron", job.n_experts)
+            t = reader.read(Box(p.name, p.offsets, p.sizes)).reshape(shape)
+            check_finite(t, f"{reader.dir}: {p.name!r} at {p.offsets} (native {native!r})")
+            fmt = "bf16" if job.fmt == "hf-bf16" else "fp8"
+            encoded = encode_tensor(native, t, kind, weight_format=fmt, expert_dtype=job.expert_dtype,  # type: ignore[arg-type]
+                                    scale_fmt=job.scale_fmt)  # type: ignore[arg-type]
+            ref = like.get(native)
+            if len(encoded) == 2 and files is not None and ref is not None and ref.scale is not None:
+                encoded = requantize_like(native, t, encoded, files.read(ref.scale))
+            for name, x in encoded:
+                try:
+                    writer.write(name, x)
+                except OSError as exc:
+                    raise _write_error(job.out, repr(name), exc) from exc
+                _report(x.numel() * x.element_size())
+        writer.close()
+    finally:
+        if files:
+            files.close()
+        writer.abort()
+    return Path(job.out).stat().st_size
+
+
+def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportFormat = "hf-bf16",
+                            like: str | Path | None = None, expert_dtype: str | None = None,
+                            scale_fmt: str | None = None, workers: int | None = None,
+                            max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES, force: bool = False,
+                            progress: bool = False, fsync: bool = True) -> ConversionResult:
+    """torch_dist -> HF DeepSeek-V4 directory in the native layout (see module doc).
+
+    fmt "hf-bf16": BF16 weights (fp32 kinds stay fp32), no quantization_config. "hf-fp8": FP8 linears
+    and FP4 (or FP8) routed experts with UE8M0 (or fp32) scales; defaults come from the HF config the
+    conversion stored (expert_dtype, scale_fmt). `like`: the original HF directory (scales to reuse,
+    tokenizer and generation_config files; also the model config when common.pt lacks it).
+    """
+    t0 = time.perf_counter()
+    if fmt not in ("hf-bf16", "hf-fp8"):
+        raise ValueError(f"--format must be hf-bf16 or hf-fp8; got {fmt!r}")
+    src, dst = Path(src), Path(dst)
+    ckpt = resolve_iteration_dir(src)
+    like_plan = plan_source(like) if like is not None else None
+    raw = hf_config_of(ckpt) or (like_plan.raw_config if like_plan else None)
+    if raw is None:
+        raise TorchDistError(f"{ckpt}: common.pt does not carry the model config (not written by v4rl); pass the "
+                             "original HF checkpoint with --like")
+    cfg = ModelConfig.from_hf_dict(raw)
+    if like_plan is not None and like_plan.cfg != cfg:
+        raise TorchDistError(f"{src} holds a different model than --like {like} (their config.json differ)")
+    qc = raw.get("quantization_config") or {}
+    expert_dtype = expert_dtype or raw.get("expert_dtype") or qc.get("expert_dtype") or "fp4"
+    scale_fmt = scale_fmt or ("fp32" if qc and qc.get("scale_fmt") != "ue8m0" else "ue8m0")
+    if expert_dtype not in ("fp4", "fp8") or scale_fmt not in ("ue8m0", "fp32"):
+        raise ValueError(f"expert_dtype must be fp4|fp8 and scale_fmt ue8m0|fp32; got {expert_dtype}, {scale_fmt}")
+    reader = TorchDistReader(ckpt)
+    _compare_specs({k: reader.spec(k) for k in reader.tensors if not k.startswith(IGNORED_KEY_PREFIXES)},
+                   megatron_specs(cfg), where=str(ckpt))
+    options = {"to": fmt, "expert_dtype": expert_dtype, "scale_fmt": scale_fmt, "max_shard_bytes": max_shard_bytes,
+               "like": source_manifest(like, like_plan.disk_names) if like_plan else None}
+    key = manifest_key(source_manifest(src, sorted(reader.tensors)), options)
+    if is_complete(dst, key):
+        return ConversionResult(dst, skipped=True)
+
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for native, spec in native_param_specs(cfg).items():
+        n = sum(math.prod(s) * d.itemsize for _, d, s in hf_entries(native, spec.kind, spec.shape, fmt,
+                                                                        expert_dtype, scale_fmt))
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((native, spec.kind, spec.shape))
+        size += n
+    workers = workers or default_workers()
+    with AtomicOutput(dst, force=force, key=key) as out:
+        jobs, weight_map, total = [], {}, 0
+        for k, natives in enumerate(shards, start=1):
+            name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            entries = tuple(e for nat, kind, shape in natives
+                            for e in hf_entries(nat, kind, shape, fmt, expert_dtype, scale_fmt))
+            weight_map.update({e[0]: name for e in entries})
+            total += sum(math.prod(s) * d.itemsize for _, d, s in entries)
+            refs = tuple((nat, like_plan.tensors[nat]) for nat, _, _ in natives) if like_plan else ()
+            jobs.append(_ExportJob(str(ckpt), str(out.tmp / name), tuple(natives), entries, fmt, expert_dtype,
+                                   scale_fmt, cfg.n_routed_experts, str(like) if like else None, refs, fsync))
+        sizes = _run_jobs(_export_job, jobs, workers=workers, total=total, label=f"export {fmt}", progress=progress)
+        _write_hf_side_files(out.tmp, raw, cfg, fmt, expert_dtype, scale_fmt, weight_map, total, like)
+        seconds = time.perf_counter() - t0
+        out.commit({"key": key, "kind": f"torch_dist->{fmt}", "source": str(src.resolve()),
+                    "like": str(Path(like).resolve()) if like else None, "seconds": round(seconds, 3)})
+    return ConversionResult(dst, False, len(native_param_specs(cfg)), 0, sum(sizes), seconds, workers, len(jobs))
+
+
+def _write_hf_side_files(out: Path, raw: dict[str, Any], cfg: ModelConfig, fmt: ExportFormat, expert_dtype: str,
+                         scale_fmt: str, weight_map: dict[str, str], total: int, like: str | Path | None) -> None:
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")}
+    storage = hf.hf_config_dict(cfg, weight_format="bf16" if fmt == "hf-bf16" else "fp8",  # type: ignore[arg-type]
+                                expert_dtype=expert_dtype, scale_fmt=scale_fmt)  # type: ignore[arg-type]
+    config.update({k: storage[k] for k in ("dtype", "quantization_config", "expert_dtype") if k in storage})
+    if "torch_dtype" in config:
+        config["torch_dtype"] = storage["dtype"]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    like_dir = Path(like) if like is not None else None
+    gen = like_dir / "generation_config.json" if like_dir else None
+    if gen is not None and gen.is_file():
+        shutil.copy2(gen, out / gen.name)
+    else:
+        body = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+        (out / "generation_config.json").write_text(json.dumps(body, indent=2) + "\n")
+    for name in hf.TOKENIZER_FILES if like_dir else ():
+        if (like_dir / name).is_file():  # type: ignore[operator]
+            shutil.copy2(like_dir / name, out / name)  # type: ignore[operator]
