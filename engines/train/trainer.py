@@ -1,9 +1,10 @@
 """The embedded trainer: transformers' DeepseekV4ForCausalLM, fp32 master weights, BF16 autocast, AdamW.
 
 It scores given tokens (logprobs + entropy), takes GRPO steps with TIS on a batch of rollout samples,
-and hands its weights to the rollout side as a native state dict. Micro-batches hold sequences of equal
-length up to `max_tokens_per_gpu` tokens, so there is no padding at all (the transformers model cannot
-pack several sequences into one row: its compressors would pool across sequence boundaries).
+and hands its weights to the rollout side as a native state dict. Sequences are sorted by length and cut
+into micro-batches whose padded size stays within `max_tokens_per_gpu`, so neighbours share a batch and
+padding is a few percent (the transformers model cannot pack several sequences into one row: its
+compressors would pool across sequence boundaries, so true packing is not available here).
 
     trainer = Trainer.from_native(cfg, native_state, TrainerConfig(lr=1e-4))
     metrics = trainer.grpo_step(samples, grpo_config)
@@ -66,19 +67,22 @@ class Sample:
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped into micro-batches of equal length with at most max_tokens tokens each (no padding).
+    """Indices sorted by length and cut so that each micro-batch's padded size (count x longest) fits max_tokens.
 
-    >>> micro_batches([5, 3, 5, 5, 3], max_tokens=10)
-    [[1, 4], [0, 2], [3]]
+    >>> micro_batches([5, 3, 5, 5, 3, 9], max_tokens=10)
+    [[1, 4], [0, 2], [3], [5]]
     """
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, n in enumerate(lengths):
-        by_length[n].append(i)
-    batches = []
-    for n in sorted(by_length):
-        per_batch = max(1, max_tokens // n)
-        idx = by_length[n]
-        batches.extend(idx[j:j + per_batch] for j in range(0, len(idx), per_batch))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, lengths[i])
+    if current:
+        batches.append(current)
     return batches
 
 
@@ -110,10 +114,17 @@ class Trainer:
         enabled = self.config.compute_dtype == "bfloat16"
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
-    def _forward_logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropies [B, R] of the response tokens of equal-length sequences (grad enabled)."""
-        ids = torch.tensor([p + r for p, r in seqs])
-        p_len, r_len = len(seqs[0][0]), len(seqs[0][1])
+    def _forward_logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
+        """Logprobs, entropies and mask [B, R_max] of the response tokens (right padding; grad enabled)."""
+        lengths = [len(p) + len(r) for p, r in seqs]
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        r_max = max(len(r) for _, r in seqs)
+        pos = torch.zeros(len(seqs), r_max, dtype=torch.long)
+        mask = torch.zeros(len(seqs), r_max, dtype=torch.bool)
+        for b, (p, r) in enumerate(seqs):
+            ids[b, :lengths[b]] = torch.tensor(p + r)
+            pos[b, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
+            mask[b, :len(r)] = True
         with self._autocast():
             if self.fake_quant is None:
                 out = self.model(input_ids=ids)
@@ -121,22 +132,21 @@ class Trainer:
                 if self._stored is None:  # the weights only change in optimizer.step(): quantize once per step
                     self._stored = self.fake_quant.stored(self.model)
                 out = self.fake_quant.forward(self.model, ids, self._stored)
-            logits = out.logits[:, p_len - 1:p_len - 1 + r_len].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        targets = ids[:, p_len:p_len + r_len]
+        rows = torch.arange(len(seqs))[:, None]
+        logp = torch.log_softmax(out.logits[rows, pos].float(), dim=-1)  # [B, R_max, V]
+        targets = ids[rows, pos + 1]
         token_lp = logp.gather(-1, targets[..., None])[..., 0]
         entropy = -(logp.exp() * logp).sum(-1)
-        return token_lp, entropy
+        return token_lp, entropy, mask
 
     @torch.no_grad()
     def logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per-token logprobs of each (prompt, response) under the current weights."""
         out: list[list[float]] = [[] for _ in seqs]
-        samples = [Sample(p, r, [], 0.0, 0) for p, r in seqs]
-        for idx in self._shape_groups(samples):
-            lp, _ = self._forward_logprobs([seqs[i] for i in idx])
-            for i, row in zip(idx, lp):
-                out[i] = row.tolist()
+        for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
+            lp, _, mask = self._forward_logprobs([seqs[i] for i in idx])
+            for i, row, m in zip(idx, lp, mask):
+                out[i] = row[m].tolist()
         return out
 
     def grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
@@ -148,12 +158,17 @@ class Trainer:
             raise ValueError("GRPO step got no response tokens; every sample has an empty response")
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        for idx in self._shape_groups(samples):
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        for idx in self._batches(lengths, [len(s.response_ids) for s in samples]):
             chunk = [samples[i] for i in idx]
-            lp, entropy = self._forward_logprobs([(s.prompt_ids, s.response_ids) for s in chunk])
-            rollout_lp = torch.tensor([s.rollout_logprobs for s in chunk], dtype=torch.float32)
+            lp, entropy, mask = self._forward_logprobs([(s.prompt_ids, s.response_ids) for s in chunk])
+            rollout_lp = torch.zeros_like(lp)
+            for b, s in enumerate(chunk):
+                if len(s.rollout_logprobs) != len(s.response_ids):
+                    raise ValueError(f"sample {idx[b]} has {len(s.rollout_logprobs)} rollout logprobs for "
+                                     f"{len(s.response_ids)} response tokens; the rollout must return one per token")
+                rollout_lp[b, :len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
             old = lp.detach()  # one optimizer step per rollout: the behaviour policy is the current one
-            mask = torch.ones_like(lp, dtype=torch.bool)
             weights = None
             if grpo.use_tis:
                 weights, _ = tis_weights(old, rollout_lp, mask, clip_high=grpo.tis_clip_high,
@@ -164,11 +179,11 @@ class Trainer:
             loss.backward()
             for key in ("pg_loss", "pg_clipfrac", "ppo_kl"):
                 sums[key] += m[key]  # already divided by the batch's token count
-            n = lp.numel()
+            n = int(mask.sum())
             for key, value in tis_metrics(old, rollout_lp, mask, clip_high=grpo.tis_clip_high,
                                           clip_low=grpo.tis_clip_low).items():
                 sums[key] += value * n / total
-            sums["entropy"] += float(entropy.detach().sum()) / total
+            sums["entropy"] += float(entropy.detach()[mask].sum()) / total
         clip = grpo.max_grad_norm if grpo.max_grad_norm > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if not torch.isfinite(grad_norm):
@@ -182,17 +197,11 @@ class Trainer:
         metrics["train/grad_norm"] = float(grad_norm)
         return metrics
 
-    def _shape_groups(self, samples: list[Sample]) -> list[list[int]]:
-        """Micro-batches of identical (prompt, response) lengths, each within the token budget."""
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        out = []
-        for batch in micro_batches(lengths, self.config.max_tokens_per_gpu):
-            groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-            for i in batch:
-                if samples[i].response_ids:
-                    groups[(len(samples[i].prompt_ids), len(samples[i].response_ids))].append(i)
-            out.extend(groups.values())
-        return out
+    def _batches(self, lengths: list[int], response_lengths: list[int]) -> list[list[int]]:
+        """Micro-batches within the token budget, leaving out samples without response tokens."""
+        keep = [i for i, r in enumerate(response_lengths) if r > 0]
+        return [[keep[j] for j in batch]
+                for batch in micro_batches([lengths[i] for i in keep], self.config.max_tokens_per_gpu)]
 
     # ------------------------------------------------------------------ state for checkpoints
     def state(self) -> dict:
