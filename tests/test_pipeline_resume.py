@@ -1,0 +1,42 @@
+"""A new rl-pipeline flow run for the same run key skips what is done: the conversion is a cache hit (keyed by
+the source checkpoint's identity, not the run id), and training resumes at the right step. Flows run in
+this process against a real Prefect server on 127.0.0.1.
+
+    .venv/bin/python -m pytest tests/test_pipeline_resume.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.prefect_server import prefect_server  # noqa: F401
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r.state.name for r in runs}
+
+
+def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_server, tiny_base, tmp_path):  # noqa: F811
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import rl_pipeline
+
+    small = dict(run_key="resume", runs_root=str(tmp_path / "runs"), hf_checkpoint=str(tiny_base), steps=2,
+                 eval_interval=2, prompts_per_step=4, n_samples=4, n_eval=8, eval_samples=4, align_prompts=2,
+                 use_ray=False)
+    first = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **small), return_state=True)
+    assert first.is_completed(), first
+    states = _task_states(first.state_details.flow_run_id)
+    assert any(n.startswith("convert") and s == "Completed" for n, s in states.items()), states
+
+    # Crash-like restart with more steps: a brand-new flow run, same run key.
+    second = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **{**small, "steps": 3}), return_state=True)
+    assert second.is_completed(), second
+    states = _task_states(second.state_details.flow_run_id)
+    assert any(n.startswith("convert") and s == "Cached" for n, s in states.items()), states
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "resume" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # step 3 trained once, after resuming from checkpoint 2
