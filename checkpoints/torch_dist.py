@@ -22,7 +22,12 @@ int64 tid2eid table (`TORCH_DIST_DTYPES`).
     write_checkpointing_config(tmp / "release"); mark_release(tmp)     # metadata.json, iteration file
     with single_rank_process_group():
         meta = megatron_tensor_metadata(ckpt)                          # megatron-core load_tensors_metadata
-        tensors = megatron_load(ckpt, [Box(key, offsets, sizes)])      # megatron-core dist_checkpointing.load
+        tensors = megatron_load(ckpt, [Box(key, offsets, sizes)], specs)   # dist_checkpointing.load
+
+NOTE: model weights only. A Megatron-LM model built with Transformer Engine also requests per-module
+`._extra_state` objects, which a converted release cannot contain (no module produced them); load it
+as Miles loads `--ref-load` (`--finetune`, no optimizer/RNG) with a non-strict `--dist-ckpt-strictness`
+such as `log_all`. Not verified against Miles' DeepSeek-V4 plugin here (no TE / Megatron-LM on CPU).
 
 Tests: `.venv/bin/python -m pytest tests/test_torch_dist.py -q`.
 """
