@@ -68,3 +68,25 @@ def test_grpo_step_changes_weights_and_reports_finite_metrics(tiny_checkpoint):
     # bf16 trainer vs fp32 rollout scoring of the same weights: a small but non-zero gap
     assert 0 < metrics["train/train_rollout_logprob_abs_diff"] < 0.1
     assert trainer.step == 1
+
+
+def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(tiny_base):
+    """After a step, the trainer's logprobs (fp32 compute) equal our engine's on the re-quantized export;
+    without the quantization-aware forward the gap is the whole rounded-away update."""
+    from engines.train.storage import storage_round_trip
+
+    cfg, state = load_hf_checkpoint(tiny_base)
+    seqs = _seqs(8, seed=3)
+    gaps = {}
+    for qat in (True, False):
+        trainer = Trainer.from_native(cfg, {k: v.clone() for k, v in state.items()},
+                                      TrainerConfig(lr=1e-4, compute_dtype="float32", quantization_aware=qat))
+        samples = [Sample(p, r, [0.0] * len(r), 1.0, i // 4, advantage=1.0 if i % 2 else -1.0)
+                   for i, (p, r) in enumerate(seqs)]
+        trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, use_tis=False))
+        served = DeepseekV4(cfg).eval()
+        served.load_state_dict(storage_round_trip(trainer.native_state(), cfg, expert_dtype="fp8"))
+        want = token_logprobs(served, [{"prompt_ids": p, "response_ids": r} for p, r in seqs], vocab_size=cfg.vocab_size)
+        got = trainer.logprobs(seqs)
+        gaps[qat] = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y))
+    assert gaps[True] < 1e-4 and gaps[False] > 100 * gaps[True], gaps

@@ -23,22 +23,7 @@ from torch.func import functional_call
 from checkpoints.names import placement
 from engines.model.config import ModelConfig
 from engines.model.params import native_param_specs
-from engines.quant import (dequantize_fp4_e2m1, dequantize_fp8_blockwise, quantize_fp4_e2m1,
-                           quantize_fp8_blockwise)
-
-
-def stored_value(w: torch.Tensor, kind: str, scale_fmt: str = "ue8m0") -> torch.Tensor:
-    """fp32 values of w after storing it as `kind` (what a reader dequantizes)."""
-    w = w.detach().float()
-    if kind == "fp8":
-        q, s = quantize_fp8_blockwise(w, scale_fmt=scale_fmt)
-        return dequantize_fp8_blockwise(q, s, out_dtype=torch.float32)
-    if kind == "fp4":
-        q, s = quantize_fp4_e2m1(w)
-        return dequantize_fp4_e2m1(q, s, out_dtype=torch.float32)
-    if kind == "bf16":
-        return w.to(torch.bfloat16).float()
-    return w
+from engines.train.storage import stored_value
 
 
 class FakeQuant:
@@ -52,9 +37,9 @@ class FakeQuant:
             p = placement(native, spec.shape, "transformers", cfg.n_routed_experts)
             if p.name not in params:
                 raise ValueError(f"native tensor {native!r} maps to {p.name!r}, which the trainer model lacks")
-            kind = "fp8" if spec.kind == "fp4" and expert_dtype == "fp8" else spec.kind
             box = tuple(slice(o, o + s) for o, s in zip(p.offsets, p.sizes))
-            self.plan[p.name].append((box, spec.shape, kind))
+            self.plan[p.name].append((box, spec.shape, spec.kind))
+        self.expert_dtype = expert_dtype
 
     @torch.no_grad()
     def stored(self, model) -> dict[str, torch.Tensor]:
@@ -64,7 +49,9 @@ class FakeQuant:
         for name, boxes in self.plan.items():
             q = params[name].detach().float().clone()
             for box, shape, kind in boxes:
-                q[box] = stored_value(q[box].reshape(shape), kind, self.scale_fmt).reshape(q[box].shape)
+                value = stored_value(q[box].reshape(shape), kind, expert_dtype=self.expert_dtype,
+                                     scale_fmt=self.scale_fmt)
+                q[box] = value.reshape(q[box].shape)
             out[name] = q
         return out
 
