@@ -121,6 +121,10 @@ def write_report(run_dir: str | Path, *, title: str = "v4rl run report", extra_m
         lines += ["", "## Held-out evaluation", "", "| step | " + " | ".join(keys) + " |",
                   "|---" * (len(keys) + 1) + "|"]
         lines += [f"| {e['step']} | " + " | ".join(f"{e[k]:.3f}" for k in keys) + " |" for e in evals]
+    events_path = run_dir / "events.jsonl"
+    if events_path.exists():
+        events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+        lines += ["", "## Events", ""] + [f"- step {e['step']}: {e['message']}" for e in events]
     if links:
         lines += ["", "## Uploaded", ""] + [f"- [{name}]({url})" for name, url in links.items()]
     markdown = "\n".join(lines) + "\n\n" + extra_markdown

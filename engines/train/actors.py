@@ -42,6 +42,9 @@ class TrainerWorker:
         """Load the latest training checkpoint if there is one; returns its step and extra state (or step 0)."""
         step = latest_step(self.checkpoint_root)
         if step is None:
+            if self.trainer.step:  # a rollback before the first checkpoint: back to the base weights
+                _, native = load_hf_checkpoint(self.base_dir)
+                self.trainer = Trainer.from_native(self.cfg, native, self.trainer.config)
             return {"step": 0, "extra": {}}
         state = load_training_checkpoint(self.checkpoint_root, step, self.cfg)
         self.trainer.model.load_state_dict(_to_transformers(state["master"], self.cfg), strict=False)

@@ -12,15 +12,21 @@ step K so a caller (the Prefect flow) can run a long job as retryable segments.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from engines.rollout.sglang import SGLangTimeout
+from engines.train.cluster import RemoteCallTimeout
+from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
 from engines.train.runlog import RunLog
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
+OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action")
+"""Config fields a resumed run may change: they steer the run, not the trajectory."""
 
 
 @dataclass(kw_only=True)
@@ -45,7 +51,15 @@ class TrainRunConfig:
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
     call_timeout_s: float = 900.0
-    """Timeout of every remote call (a step, an export, a weight update)."""
+    """Timeout of every remote call (a step, an export, a weight update); a step that exceeds it fails with
+    the thread stacks of the trainer and rollout processes in <run_dir>/hangs/ (a retry resumes)."""
+    mismatch_threshold: float = 0.09
+    """Mean train/rollout |Δlogprob| per step over which a step counts against the mismatch budget."""
+    mismatch_steps: int = 3
+    """Consecutive over-threshold steps that exhaust the budget."""
+    mismatch_action: str = "alert"
+    """alert (record in events.jsonl and the report), stop (fail the run), or rollback (reload the last
+    checkpoint once, then stop)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,7 +84,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     from rl.rewards import math_reward
 
     runlog = RunLog(run_dir)
-    runlog.write_config(config.to_dict())
+    runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
     last = min(until or config.steps, config.steps)
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer)
@@ -84,8 +98,10 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                                      "dynamic_sampling": config.loop.dynamic_sampling},
                         seed=config.loop.seed)
     serving = _rollout_start_weights(config.base, Path(run_dir))
-    with _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving)}) as (trainer, rollout_url, call):
-        client = SGLangClient(rollout_url, timeout=config.call_timeout_s)
+    workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving)})
+    with workers as (trainer, rollout_url, call):
+        client = SGLangClient(rollout_url, timeout=config.call_timeout_s, generate_timeout=config.call_timeout_s,
+                              update_timeout=config.call_timeout_s)
         rollout = HTTPRollout(client)
         resumed = call(trainer.resume, "resuming the trainer")
         start = resumed["step"]
@@ -97,15 +113,23 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
             runlog.write_eval(0, evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
                                           max_new_tokens=config.loop.max_new_tokens, decode=decode,
                                           reward_fn=reward, seed=config.loop.seed + 99))
-        for step in range(start + 1, last + 1):
+        budget = MismatchBudget(config.mismatch_threshold, config.mismatch_steps, config.mismatch_action)
+        step = start + 1
+        while step <= last:
             t0 = time.monotonic()
-            groups, metrics = rollout_step(step, rollout=rollout, prompts=prompts, labels=labels,
-                                           config=config.loop, decode=decode, reward_fn=reward)
-            t1 = time.monotonic()
-            metrics.update(call(trainer.train_step, "a GRPO step", groups,
-                                advantages_of(groups, config.loop.normalize_std)))
-            t2 = time.monotonic()
-            metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step)
+            try:
+                groups, metrics = rollout_step(step, rollout=rollout, prompts=prompts, labels=labels,
+                                               config=config.loop, decode=decode, reward_fn=reward)
+                t1 = time.monotonic()
+                metrics.update(call(trainer.train_step, "a GRPO step", groups,
+                                    advantages_of(groups, config.loop.normalize_std)))
+                t2 = time.monotonic()
+                metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step)
+            except (RemoteCallTimeout, SGLangTimeout) as exc:
+                path = record_hang(Path(run_dir), step, workers.pids, exc)
+                raise StepHung(f"step {step} made no progress within {config.call_timeout_s:.0f}s ({exc}); thread "
+                               f"stacks of {sorted(workers.pids)} are in {path}; a retry resumes from the last "
+                               "checkpoint") from exc
             metrics.update({"perf/train_time": t2 - t1, "perf/step_time": time.monotonic() - t0})
             runlog.append_metrics(step, metrics)
             if should_run(step, config.loop.eval_interval, config.steps):
@@ -121,6 +145,20 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                 f"({metrics['perf/step_time']:.1f}s)")
             if on_step:
                 on_step(step, metrics)
+            event = budget.observe(step, metrics.get("train/train_rollout_logprob_abs_diff"))
+            if event:
+                append_event(Path(run_dir), event)
+                log(event["message"])
+                if event["action"] == "stop":
+                    raise MismatchBudgetExceeded(event["message"] + f" (events in {Path(run_dir) / 'events.jsonl'})")
+                if event["action"] == "rollback":
+                    back = call(trainer.resume, "rolling back to the last checkpoint")["step"]
+                    runlog.truncate_after(back)
+                    _sync(call, trainer, rollout, Path(run_dir), back)
+                    log(f"rolled back to step {back}")
+                    step = back + 1
+                    continue
+            step += 1
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
 
 
@@ -167,6 +205,7 @@ class _workers:
 
             self._rollout = RolloutWorker(**self.rollout_args)
             trainer = TrainerWorker(**self.trainer_args)
+            self.pids = {"driver, trainer and rollout": os.getpid()}
             direct = lambda method, what, *a: method(*a)  # noqa: E731
             return trainer, self._rollout.url(), direct
         from engines.train.cluster import RunActors, call, ray_session
@@ -178,6 +217,8 @@ class _workers:
         timeout = self.config.call_timeout_s
         remote = lambda method, what, *a: call(method, *a, timeout=timeout, what=what)  # noqa: E731
         url = remote(self._actors.rollout.url, "asking the rollout worker for its URL")
+        self.pids = {"driver": os.getpid(), "trainer": remote(self._actors.trainer.ping, "trainer pid"),
+                     "rollout": remote(self._actors.rollout.ping, "rollout pid")}
         return self._actors.trainer, url, remote
 
     def __exit__(self, *exc) -> None:

@@ -35,12 +35,12 @@ class RunLog:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.eval_dir = self.dir / "eval"
 
-    def write_config(self, config: dict) -> None:
-        """config.json; a resumed run must bring the same config (except the step count)."""
+    def write_config(self, config: dict, *, may_change: tuple[str, ...] = ("steps",)) -> None:
+        """config.json; a resumed run must bring the same config except the `may_change` (operational) fields."""
         path = self.dir / "config.json"
         if path.exists():
             old = json.loads(path.read_text())
-            changed = sorted(k for k in set(old) | set(config) if k != "steps" and old.get(k) != config.get(k))
+            changed = sorted(k for k in set(old) | set(config) if k not in may_change and old.get(k) != config.get(k))
             if changed:
                 raise ValueError(f"{path} holds a different run configuration (fields {changed}); resume with the "
                                  "same settings or choose a new output directory")
