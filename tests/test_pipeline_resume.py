@@ -40,3 +40,15 @@ def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_
     assert any(n.startswith("convert") and s == "Cached" for n, s in states.items()), states
     rows = [json.loads(line) for line in (tmp_path / "runs" / "resume" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # step 3 trained once, after resuming from checkpoint 2
+
+
+def test_zombie_automation_is_created_and_replaced(prefect_server):  # noqa: F811
+    from prefect.automations import Automation
+
+    from flows.automations import NAME, ensure_zombie_automation
+
+    ensure_zombie_automation(600)
+    ensure_zombie_automation(900)  # idempotent: replaced, not duplicated
+    found = Automation.read(name=NAME)
+    assert found.trigger.within.total_seconds() == 900
+    assert found.actions[0].state.value == "CRASHED"
