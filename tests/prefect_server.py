@@ -64,6 +64,13 @@ def prefect_server(tmp_path_factory):
         wait_for(api + "/health", proc=proc)
         os.environ.update({**QUIET_ENV, "PREFECT_API_URL": api, "PREFECT_HOME": str(home)})
         yield {"api": api, "home": Path(home), "env": {**env, "PREFECT_API_URL": api}}
+        # Flush Prefect's background log/event workers while the server is still here; otherwise they flush at
+        # interpreter exit, find no API URL, and start a temporary server just to deliver them.
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+        EventsWorker.drain_all()
     finally:
         proc.terminate()
         try:
