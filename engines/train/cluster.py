@@ -10,6 +10,7 @@ to live ones (or recreates dead ones). Every remote call goes through `call()`, 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ LOCAL_RAY_ENV = {
     "OMP_WAIT_POLICY": "PASSIVE",
 }
 DEFAULT_CALL_TIMEOUT_S = 600.0
+log = logging.getLogger(__name__)
 
 
 class RemoteCallTimeout(TimeoutError):
@@ -118,8 +120,10 @@ class RunActors:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        with contextlib.suppress(Exception):
+        try:
             call(self.rollout.stop, timeout=60, what="stopping the rollout worker")
+        except Exception as exc:  # a dead or hung worker is killed below either way; say why it did not stop
+            log.warning("rollout worker did not stop cleanly (%s); killing it", exc)
         for actor in (self.trainer, self.rollout):
             ray.kill(actor)
         if self.placement_group is not None:
@@ -135,7 +139,8 @@ def _live_actor(name: str):
         return None
     try:
         ray.get(actor.ping.remote(), timeout=30)
-    except Exception:  # a dead or unreachable actor is recreated; the caller logs the recreation
+    except Exception as exc:  # a dead or unreachable actor is recreated rather than reattached
+        log.warning("actor %s did not answer (%s); recreating it", name, exc)
         ray.kill(actor)
         return None
     return actor
