@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 # Nothing in the test suite may talk to anything but loopback, or phone home.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # local Ray stays on 127.0.0.1 (read at import)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -34,17 +34,18 @@ class RemoteCallTimeout(TimeoutError):
 @contextlib.contextmanager
 def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
     """Connect to RAY_ADDRESS if set, else start a loopback-only local cluster; shut down what we started."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:  # before `import ray`: ray_constants reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import
+        os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()})
     import ray
 
     if ray.is_initialized():
         yield {"address": "existing", "started": False}
         return
-    address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace="v4rl", log_to_driver=True)
         started = False
     else:
-        os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()})
         ray.init(num_cpus=num_cpus or os.cpu_count(), namespace="v4rl", include_dashboard=False,
                  _node_ip_address="127.0.0.1",
                  log_to_driver=True, runtime_env={"env_vars": {**LOCAL_RAY_ENV, "PYTHONPATH": _pythonpath()}})
