@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engines.rollout.sglang import SGLangTimeout
+from engines.rollout.sglang import SGLangClient, SGLangTimeout
 from engines.train.cluster import RemoteCallTimeout
 from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
 from engines.train.runlog import RunLog
@@ -79,8 +79,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     """Train (or resume) the run in run_dir up to step `until` (default: config.steps)."""
     from transformers import AutoTokenizer
 
-    from engines.rollout.sglang import SGLangClient
-    from engines.train.actors import HTTPRollout, RolloutWorker, TrainerWorker
+    from engines.train.actors import HTTPRollout
     from rl.rewards import math_reward
 
     runlog = RunLog(run_dir)
