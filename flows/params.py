@@ -75,6 +75,8 @@ class PipelineParams(BaseModel):
 
     def training_fingerprint(self) -> str:
         """Hash of everything that shapes the training trajectory (segments of one run share it)."""
-        keys = ("preset", "run_key", "hf_checkpoint", "steps", "prompts_per_step", "n_samples", "lr", "seed")
+        # runs_root too: a cached segment only stands for training done in this very run directory
+        keys = ("preset", "run_key", "runs_root", "hf_checkpoint", "steps", "prompts_per_step", "n_samples", "lr",
+                "seed")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -6,7 +6,10 @@ real storage formats and non-trivial values.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # libgomp's default spin-wait makes every torch op ~10x slower on a loaded 2-core machine (measured:
@@ -22,6 +25,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # local Ray sta
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Prefect reads its settings once, at import: give the test process its own home (results, cache records)
+# so that no test sees ~/.prefect or a cache entry from another session.
+if "PREFECT_HOME" not in os.environ:
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="v4rl-test-prefect-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], True)
 
 
 def write_random_tiny_checkpoint(out_dir: Path, *, seed: int = 0, **save_kwargs) -> Path:
