@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from bench import load_average, machine_info  # noqa: E402
+
 BATCH, NEW_TOKENS = 64, 32
 THROUGHPUT_GOAL, UPDATE_GOAL = 3.0, 0.25
 
@@ -48,11 +49,11 @@ def main(json_out: Path, *, model_dir: Path | None = None, repeats: int = 3) -> 
     with tempfile.TemporaryDirectory(prefix="v4rl-bench-rollout-") as tmp:
         model_dir = Path(model_dir) if model_dir else _random_tiny_checkpoint(Path(tmp) / "base")
         prompts = _prompts(model_dir)
-        result: dict[str, Any] = {"machine": _machine(), "model": str(model_dir), "batch": BATCH,
+        result: dict[str, Any] = {"machine": machine_info(), "model": str(model_dir), "batch": BATCH,
                                   "new_tokens": NEW_TOKENS, "dtype": "float32", "repeats": repeats}
         result.update(_generation(model_dir, prompts, repeats))
         result["update"] = _update_latency(model_dir, Path(tmp), repeats)
-    result["machine"]["load_avg_1m_at_end"] = _load()
+    result["machine"]["load_avg_1m_at_end"] = load_average()
     result["goals"] = {
         "throughput_vs_transformers": {"goal": f">= {THROUGHPUT_GOAL}x", "value": result["throughput"]["speedup_http"],
                                        "met": result["throughput"]["speedup_http"] >= THROUGHPUT_GOAL},
@@ -86,19 +87,6 @@ def _prompts(model_dir: Path) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rows, _ = make_splits(BATCH, 0, 0)
     return [[tok.bos_token_id] + tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
-
-
-def _load() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "load_avg_1m_at_start": _load()}
 
 
 def _timed(fn: Callable[[], Any]) -> float:

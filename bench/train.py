@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -40,6 +39,8 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+
+from bench import load_average, machine_info  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO_ROOT / "tests" / "assets" / "tiny-base"
@@ -60,7 +61,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
 
     json_out = Path(json_out)
     model_dir = Path(model_dir) if model_dir else DEFAULT_MODEL
-    machine = _machine()
+    machine = machine_info()
     cfg, native = load_hf_checkpoint(model_dir)
     samples = _samples(model_dir, n_sequences, samples_per_prompt, seed)
     grpo = GRPOConfig(n_samples_per_prompt=samples_per_prompt)
@@ -120,7 +121,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
         "note": "tok/s = real (non-pad) prompt + response tokens / step seconds; speedup = median over "
                 "interleaved (ours, transformers) run pairs; both sides in one process, same thread count",
     }
-    result["machine"]["load_avg_1m_at_end"] = _load()
+    result["machine"]["load_avg_1m_at_end"] = load_average()
     result["goals"] = {"tokens_per_s_vs_transformers_padded": {"goal": f">= {GOAL}x", "value": speedup,
                                                                 "met": speedup >= GOAL}}
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -216,19 +217,6 @@ class _PaddedPeer:
 
 
 # ---------------------------------------------------------------------------------------------- machine
-def _load() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "load_avg_1m_at_start": _load()}
-
-
 def _print_summary(r: dict[str, Any], json_out: Path) -> None:
     o, t, d = r["ours"], r["transformers"], r["data"]
     print(f"train step ({d['n_sequences']} sequences, {d['real_tokens']} real tokens, budget "

@@ -31,7 +31,6 @@ on ``sys.path`` (import it as ``rl.datasets``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets as hf_datasets
+
+from rl.math_task import read_jsonl
 
 __all__ = ["PromptRow", "DatasetReport", "load_prompt_dataset", "DROP_REASONS"]
 
@@ -180,32 +181,12 @@ def _read_records(source: Path) -> list[dict[str, Any]]:
             )
             return dataset.to_list()
     except Exception as exc:
-        if fmt == "json":
-            _raise_first_bad_json_line(source)
+        if fmt == "json" and source.suffix.lower() == ".jsonl":
+            read_jsonl(source)  # raises "<path>:<line>: ..." naming the first bad line
         raise ValueError(f"{source}: could not be read as {fmt}: {exc}") from exc
     finally:
         if progress_was_on:
             hf_datasets.enable_progress_bars()
-
-
-def _raise_first_bad_json_line(source: Path) -> None:
-    """Raise ``ValueError("<path>:<line>: ...")`` for the first line that is not a JSON object."""
-    with source.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{source}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); "
-                    "fix or delete this line"
-                ) from None
-            if not isinstance(value, dict) and source.suffix.lower() == ".jsonl":
-                raise ValueError(
-                    f"{source}:{lineno}: expected one JSON object per line, "
-                    f"got {type(value).__name__}"
-                )
 
 
 # --------------------------------------------------------------------------- field checks
