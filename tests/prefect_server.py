@@ -63,7 +63,11 @@ def prefect_server(tmp_path_factory):
     try:
         wait_for(api + "/health", proc=proc)
         os.environ.update({**QUIET_ENV, "PREFECT_API_URL": api, "PREFECT_HOME": str(home)})
-        yield {"api": api, "home": Path(home), "env": {**env, "PREFECT_API_URL": api}}
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        # Prefect may have read its settings when a test module imported it: point this process at the server too.
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            yield {"api": api, "home": Path(home), "env": {**env, "PREFECT_API_URL": api}}
         # Flush Prefect's background log/event workers while the server is still here; otherwise they flush at
         # interpreter exit, find no API URL, and start a temporary server just to deliver them.
         from prefect.events.worker import EventsWorker
