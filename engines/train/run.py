@@ -96,7 +96,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                         grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
                                      "dynamic_sampling": config.loop.dynamic_sampling},
                         seed=config.loop.seed)
-    serving = _rollout_start_weights(config.base, Path(run_dir))
+    serving, fresh = _rollout_start_weights(config.base, Path(run_dir))
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving)})
     with workers as (trainer, rollout_url, call):
         client = SGLangClient(rollout_url, timeout=config.call_timeout_s, generate_timeout=config.call_timeout_s,
@@ -107,6 +107,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
         dropped = runlog.truncate_after(start)
         if start:
             log(f"resuming at step {start + 1} (checkpoint step {start}; dropped {dropped} metric rows past it)")
+        if not fresh:  # the served export may be newer than the checkpoint the trainer resumed from
             _sync(call, trainer, rollout, Path(run_dir), start)
         if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:
             runlog.write_eval(0, evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
@@ -161,7 +162,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
 
 
-def _rollout_start_weights(base: str, run_dir: Path) -> Path:
+def _rollout_start_weights(base: str, run_dir: Path) -> tuple[Path, bool]:
     """The directory the rollout engine starts from: the base with FP8 routed experts (the seed's FP8 repackage).
 
     Online updates re-quantize the trainer's fp32 master weights every step. FP4 experts with UE8M0 1x32
@@ -169,17 +170,18 @@ def _rollout_start_weights(base: str, run_dir: Path) -> Path:
     its power-of-two scale at the smallest upward move and loses half its resolution (measured here: mean
     |Δlogprob| 0.19 after one lr-1e-4 step, vs 0.016 with FP8 experts). The seed ran the same way
     (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage). Updates keep this format (the engine refuses a
-    change of expert dtype). Written once; a resumed run starts from its latest export instead.
+    change of expert dtype). Written once; a resumed run starts from its latest export instead (returns
+    (path, True) when written now).
     """
     from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 
     current = run_dir / "weights" / "current"
     if (current / "config.json").exists():
-        return current
+        return current, False
     cfg, native = load_hf_checkpoint(base)
     save_hf_checkpoint(current, cfg, native, weight_format="fp8", expert_dtype="fp8", scale_fmt="ue8m0",
                        tokenizer_dir=base, overwrite=True)
-    return current
+    return current, True
 
 
 def _sync(call, trainer, rollout, run_dir: Path, step: int) -> float:
