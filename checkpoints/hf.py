@@ -328,12 +328,13 @@ def read_config(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(f"{path}: cannot read the DeepSeek-V4 config: {exc}") from exc
 
 
-def _read_checkpoint(ckpt_dir: Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
-    cfg, raw_cfg = read_config(ckpt_dir)
-    qc = raw_cfg.get("quantization_config") or {}
-    fp8_block = tuple(qc.get("weight_block_size") or FP8_BLOCK)
-    specs = native_param_specs(cfg)
-
+def read_stored_tensors(ckpt_dir: str | Path, *, fp8_block: tuple[int, ...] = FP8_BLOCK,
+                        specs: dict[str, ParamSpec] | None = None) -> tuple[str, dict[str, RawTensor], dict[str, str]]:
+    """Every tensor of a HF-layout directory (a whole checkpoint or a bucket of one) as stored, each quantized
+    weight paired with its scale and checked. Returns (source description, native name -> tensor, name -> file).
+    No completeness check: callers holding the full spec list run `_check_state` (read_raw_tensors does).
+    """
+    ckpt_dir = Path(ckpt_dir)
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
     source, by_file = _shard_listing(ckpt_dir)
@@ -347,21 +348,29 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[ModelConfig, dict[str, RawTensor]]
                                   f"{table[native][0]}; remove the stale shard or fix the index")
         table[native] = (file, tensor)
 
-    files = {n: f for n, (f, _) in weights.items()}
     for native, (file, _) in scales.items():
         if native not in weights:
             raise CheckpointError(f"{file}: scale for {native!r} has no weight tensor anywhere in {ckpt_dir}; "
                                   "the checkpoint is incomplete: re-download or re-export it")
     out: dict[str, RawTensor] = {}
     for native, (file, tensor) in weights.items():
-        spec = specs.get(native)
+        spec = (specs or {}).get(native)
         scale = scales.get(native)
-        if spec is not None and spec.kind == "int64":
+        if (spec is not None and spec.kind == "int64") or native.endswith("tid2eid"):
             if scale is not None or tensor.dtype.is_floating_point:
                 raise CheckpointError(f"{file}: tensor {native!r} must be an integer table; got {tensor.dtype}")
             out[native] = tensor.to(torch.int64)
             continue
         out[native] = _pair(native, file, tensor, scale, fp8_block)
+    return str(source), out, {n: f for n, (f, _) in weights.items()}
+
+
+def _read_checkpoint(ckpt_dir: Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
+    cfg, raw_cfg = read_config(ckpt_dir)
+    qc = raw_cfg.get("quantization_config") or {}
+    specs = native_param_specs(cfg)
+    source, out, files = read_stored_tensors(ckpt_dir, fp8_block=tuple(qc.get("weight_block_size") or FP8_BLOCK),
+                                             specs=specs)
     _check_state(out, specs, where=str(source), files=files)
     return cfg, {name: out[name] for name in specs}
 

@@ -38,11 +38,8 @@ from checkpoints.hf import (
     CheckpointError,
     QuantizedTensor,
     RawTensor,
-    _iter_tensors,
-    _native_name,
-    _pair,
-    _shard_listing,
     read_config,
+    read_stored_tensors,
 )
 from engines.model import DeepseekV4, ModelConfig
 from engines.model.params import ParamSpec, native_param_specs
@@ -71,27 +68,7 @@ def read_weight_dir(path: str | Path, *, fp8_block: tuple[int, int] = FP8_BLOCK
     if (path / "config.json").is_file():
         cfg, raw_cfg = read_config(path)
         fp8_block = tuple((raw_cfg.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK)
-    _, by_file = _shard_listing(path)
-    weights: dict[str, tuple[str, torch.Tensor]] = {}
-    scales: dict[str, tuple[str, torch.Tensor]] = {}
-    for file, disk_name, tensor in _iter_tensors(path, by_file):
-        native, is_scale = _native_name(disk_name, file)
-        if native is None:
-            continue
-        table = scales if is_scale else weights
-        if native in table:
-            raise CheckpointError(f"{file}: {disk_name!r} duplicates {native!r} from {table[native][0]}")
-        table[native] = (file, tensor)
-    orphans = sorted(set(scales) - set(weights))
-    if orphans:
-        raise CheckpointError(f"{path}: scale of {orphans[0]!r} has no weight in this directory "
-                              f"({len(orphans)} such scales); a bucket must carry each weight with its scale")
-    out: dict[str, RawTensor] = {}
-    for name, (file, tensor) in weights.items():
-        if name.endswith("tid2eid"):
-            out[name] = tensor
-        else:
-            out[name] = _pair(name, file, tensor, scales.get(name), fp8_block)
+    _, out, _ = read_stored_tensors(path, fp8_block=fp8_block)
     return cfg, out
 
 
