@@ -415,6 +415,19 @@ class VerifyReport:
     seconds: float
 
 
+def _torch_dist_config(ckpt: Path, plan: SourcePlan | None, hf_dir, *, flag: str) -> tuple[dict, ModelConfig]:
+    """The model config a torch_dist iteration carries in common.pt, else the one of the HF checkpoint given
+    with `flag`; refuses a HF checkpoint of another model."""
+    raw = hf_config_of(ckpt) or (plan.raw_config if plan else None)
+    if raw is None:
+        raise TorchDistError(f"{ckpt}: common.pt does not carry the model config (not written by v4rl); pass the "
+                             f"HF checkpoint it came from with {flag}")
+    cfg = ModelConfig.from_hf_dict(raw)
+    if plan is not None and plan.cfg != cfg:
+        raise TorchDistError(f"{ckpt} holds a different model than {flag} {hf_dir} (their config.json differ)")
+    return raw, cfg
+
+
 def verify_torch_dist(ckpt: str | Path, *, against: str | Path | None = None, batch_bytes: int = 1 << 30,
                       progress: bool = False) -> VerifyReport:
     """Load a torch_dist checkpoint with megatron-core and check it tensor by tensor.
@@ -427,13 +440,7 @@ def verify_torch_dist(ckpt: str | Path, *, against: str | Path | None = None, ba
     t0 = time.perf_counter()
     d = resolve_iteration_dir(ckpt)
     plan = plan_source(against) if against is not None else None
-    raw = hf_config_of(d) or (plan.raw_config if plan else None)
-    if raw is None:
-        raise TorchDistError(f"{d}: common.pt does not carry the model config (not written by v4rl); pass the HF "
-                             "checkpoint it came from with --against")
-    cfg = ModelConfig.from_hf_dict(raw)
-    if plan is not None and plan.cfg != cfg:
-        raise TorchDistError(f"{d} holds a different model than {against} (their config.json differ)")
+    raw, cfg = _torch_dist_config(d, plan, against, flag="--against")
     specs = megatron_specs(cfg)
     natives: dict[str, list[tuple[str, Any]]] = {}
     for name, spec in native_param_specs(cfg).items():
@@ -592,13 +599,7 @@ def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportForm
     src, dst = Path(src), Path(dst)
     ckpt = resolve_iteration_dir(src)
     like_plan = plan_source(like) if like is not None else None
-    raw = hf_config_of(ckpt) or (like_plan.raw_config if like_plan else None)
-    if raw is None:
-        raise TorchDistError(f"{ckpt}: common.pt does not carry the model config (not written by v4rl); pass the "
-                             "original HF checkpoint with --like")
-    cfg = ModelConfig.from_hf_dict(raw)
-    if like_plan is not None and like_plan.cfg != cfg:
-        raise TorchDistError(f"{src} holds a different model than --like {like} (their config.json differ)")
+    raw, cfg = _torch_dist_config(ckpt, like_plan, like, flag="--like")
     qc = raw.get("quantization_config") or {}
     expert_dtype = expert_dtype or raw.get("expert_dtype") or qc.get("expert_dtype") or "fp4"
     scale_fmt = scale_fmt or ("fp32" if qc and qc.get("scale_fmt") != "ue8m0" else "ue8m0")
