@@ -70,6 +70,19 @@ class HardwareProfile:
     """What was validated on this profile and what was not."""
 
 
+def flight_recorder_env(dump_dir: str) -> dict[str, str]:
+    """PyTorch's NCCL/RCCL flight recorder and timeout dumps (the seed's launcher settings; backend-independent):
+    a collective that stalls leaves its trace in `<dump_dir>/nccl_fr_trace_*` instead of hanging silently."""
+    return {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "200000",
+        "TORCH_FR_BUFFER_SIZE": "200000",
+        "TORCH_NCCL_DESYNC_DEBUG": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{dump_dir}/nccl_fr_trace_",
+    }
+
+
 def _registry() -> dict[str, HardwareProfile]:
     from engines.profiles.h200 import H200
     from engines.profiles.mi355x import MI355X

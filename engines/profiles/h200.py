@@ -7,7 +7,7 @@ do not. The backends are Miles' NVIDIA path (scripts/run_deepseek_v4.py), descri
 
 from __future__ import annotations
 
-from engines.profiles import Backend, HardwareProfile
+from engines.profiles import Backend, HardwareProfile, flight_recorder_env
 
 H200 = HardwareProfile(
     name="h200",
@@ -23,14 +23,7 @@ H200 = HardwareProfile(
     fp8_dtype="e4m3fn",
     comm_env={},
     site_env=("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_HCA"),
-    launcher_env={
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "200000",
-        "TORCH_FR_BUFFER_SIZE": "200000",
-        "TORCH_NCCL_DESYNC_DEBUG": "1",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/root/shared_data/nccl_fr_trace_",
-    },
+    launcher_env=flight_recorder_env("/root/shared_data"),
     backends={
         "hybrid_attention": Backend(rollout="SGLang dsv4 attention backend, CUDA branch (FlashMLA / TRT-LLM kernels)",
                                     training="Miles DeepSeek-V4 attention (TileLang sparse-MLA and indexer kernels)",

@@ -8,7 +8,7 @@ HIP hardware queues, RCCL P2P chunk size). The backends are the seed appendix's 
 
 from __future__ import annotations
 
-from engines.profiles import Backend, HardwareProfile
+from engines.profiles import Backend, HardwareProfile, flight_recorder_env
 
 MI355X = HardwareProfile(
     name="mi355x",
@@ -24,13 +24,7 @@ MI355X = HardwareProfile(
     fp8_dtype="e4m3fn",  # gfx950 computes OCP FP8; fnuz is MI300X (gfx942) only
     comm_env={"NCCL_IB_GID_INDEX": "1"},
     site_env=("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_HCA"),
-    launcher_env={
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "200000",
-        "TORCH_FR_BUFFER_SIZE": "200000",
-        "TORCH_NCCL_DESYNC_DEBUG": "1",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/workspace/miles/nccl_fr_trace_",
+    launcher_env={**flight_recorder_env("/workspace/miles"),
         "GPU_MAX_HW_QUEUES": "2",
         "NCCL_P2P_NET_CHUNKSIZE": "262144",
     },
