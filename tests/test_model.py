@@ -19,10 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.model import DeepseekV4, ModelConfig
+from engines.model import DecodeBatch, DeepseekV4, ModelConfig
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE
 from engines.model.params import native_param_specs
-from engines.rollout.sampling import fork_cache
 from engines.train.hf_model import build_reference_model, native_from_reference
 
 TOL = 1e-4
@@ -81,10 +80,64 @@ def test_cached_decode_matches_full_sequence(name):
     with torch.no_grad():
         full = ours(ids).log_softmax(-1)
         logits, caches = ours.prefill(ids[:, :prefix])
-        steps = [ours.decode(ids[:, t], caches) for t in range(prefix, ids.shape[1])]
+        batch = DecodeBatch.from_caches(cfg, caches)
+        steps = [ours.decode(ids[:, t], batch) for t in range(prefix, ids.shape[1])]
     assert (logits.log_softmax(-1) - full[:, :prefix]).abs().max().item() < TOL
     decoded = torch.stack(steps, dim=1).log_softmax(-1)
     assert (decoded - full[:, prefix:]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_rows_at_different_positions_share_a_decode_batch(name):
+    """Continuous batching: rows join at other positions, finish early, and each still equals full scoring."""
+    cfg = CONFIGS[name]
+    _, ours = _pair(cfg, seed=11)
+    ids = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        full = ours(ids).log_softmax(-1)
+        _, first = ours.prefill(ids[:1, :3])
+        batch = DecodeBatch.from_caches(cfg, first)
+        got = {0: {}, 1: {}, 2: {}}
+        rows = [0]
+        for step in range(34):
+            if step == 5:  # row 1 joins with a 17-token prefill (its entries outnumber row 0's)
+                _, joined = ours.prefill(ids[1:2, :17])
+                batch.extend(DecodeBatch.from_caches(cfg, joined))
+                rows.append(1)
+            if step == 9:  # row 2 joins at position 2
+                _, joined = ours.prefill(ids[2:3, :2])
+                batch.extend(DecodeBatch.from_caches(cfg, joined))
+                rows.append(2)
+            if step == 20:  # row 1 finishes
+                batch.select([i for i, r in enumerate(rows) if r != 1])
+                rows.remove(1)
+            positions = batch.positions.tolist()
+            logits = ours.decode(torch.stack([ids[r, p] for r, p in zip(rows, positions)]), batch).log_softmax(-1)
+            for i, (r, p) in enumerate(zip(rows, positions)):
+                got[r][p] = logits[i]
+    for r, steps in got.items():
+        assert len(steps) >= 10
+        for p, logp in steps.items():
+            assert (logp - full[r, p]).abs().max().item() < TOL, (r, p)
+
+
+def test_extend_aligns_entry_capacities():
+    """A batch whose entry buffers have grown takes rows with smaller ones (and the reverse)."""
+    cfg = CONFIGS["mixed"]
+    _, ours = _pair(cfg, seed=13)
+    ids = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        full = ours(ids).log_softmax(-1)
+        _, (a,) = ours.prefill(ids[:1, :5])
+        _, (b,) = ours.prefill(ids[1:, :21])
+        batch, other = DecodeBatch.from_caches(cfg, [a]), DecodeBatch.from_caches(cfg, [b])
+        for mine, theirs in zip(batch.layers, other.layers):  # ours just above theirs: no doubling may follow
+            for slots, their_slots in ((mine.compressor, theirs.compressor), (mine.indexer, theirs.indexer)):
+                if slots is not None:
+                    slots.pad_entries(their_slots.entries.shape[1] + 1)
+        batch.extend(other)
+        got = ours.decode(torch.stack([ids[0, 5], ids[1, 21]]), batch).log_softmax(-1)
+    assert (got[0] - full[0, 5]).abs().max() < TOL and (got[1] - full[1, 21]).abs().max() < TOL
 
 
 def test_forked_caches_decode_independently():
@@ -96,14 +149,17 @@ def test_forked_caches_decode_independently():
     other[0, 7:] = (other[0, 7:] + 1) % cfg.vocab_size
     with torch.no_grad():
         _, (cache,) = ours.prefill(ids[:, :7])
-        twin = fork_cache(cache)
+        batch = DecodeBatch.from_caches(cfg, [cache, cache])
         for t in range(7, 30):
-            a = ours.decode(ids[:, t], [cache])
-            b = ours.decode(other[:, t], [twin])
+            a, b = ours.decode(torch.stack([ids[0, t], other[0, t]]), batch).unsqueeze(1)
+        again = DecodeBatch.from_caches(cfg, [cache])  # the prefill's cache itself was never written to
+        for t in range(7, 30):
+            alone = ours.decode(ids[:, t], again)
         want_a = ours(ids)[:, -1]
         want_b = ours(other)[:, -1]
     assert (a.log_softmax(-1) - want_a.log_softmax(-1)).abs().max() < TOL
     assert (b.log_softmax(-1) - want_b.log_softmax(-1)).abs().max() < TOL
+    assert (alone.log_softmax(-1) - want_a.log_softmax(-1)).abs().max() < TOL
 
 
 def test_right_padding_does_not_change_valid_positions():
@@ -143,7 +199,8 @@ def test_indexer_ties_break_toward_earlier_entries_in_decode_and_full():
         ids = torch.randint(0, cfg.vocab_size, (1, 31), generator=torch.Generator().manual_seed(10))
         full = ours(ids).log_softmax(-1)
         _, caches = ours.prefill(ids[:, :5])
-        steps = [ours.decode(ids[:, t], caches) for t in range(5, 31)]
+        batch = DecodeBatch.from_caches(cfg, caches)
+        steps = [ours.decode(ids[:, t], batch) for t in range(5, 31)]
         scores = torch.zeros(1, 1, 6)
         chosen = ours.layers[1].attn.indexer.select(scores, torch.tensor([[30]]))
     assert chosen[0, 0].tolist() == [True] * cfg.index_topk + [False] * (6 - cfg.index_topk)

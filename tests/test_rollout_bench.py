@@ -19,6 +19,8 @@ def test_bench_rollout_writes_its_json(tiny_checkpoint, tmp_path):
     result = main(out, model_dir=tiny_checkpoint, repeats=1)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     t, u = result["throughput"], result["update"]
-    assert t["ours_http_tok_s"] > 0 and t["transformers_generate_tok_s"] > 0 and len(t["runs_s"]) == 1
+    assert t["ours_http_tok_s"] > 0 and t["transformers_generate_tok_s"] > 0
+    assert set(t["by_threads"]) == {"1_thread", "default"} == set(result["ttft"])
+    assert all(len(run["runs_s"]) == 1 for run in t["by_threads"].values())
     assert u["update_total_s"] == pytest.approx(u["export_quantize_s"] + u["load_post_process_s"])
     assert set(result["goals"]) == {"throughput_vs_transformers", "update_vs_restart"}

@@ -9,14 +9,15 @@ RoPE is interleaved on the trailing channels (`main` theta on sliding-only layer
 elsewhere), each head has a learned sink logit, and the output goes through a grouped low-rank
 projection after the conjugate RoPE removes V's rotation.
 
-Two entry points share the pooling, scoring and attention maths: `forward_full` (a whole sequence,
-optionally returning the cache a decode can continue from) and `forward_decode` (one new token per
-sequence, each sequence with its own cache).
+Two entry points share the pooling, scoring and attention maths: `forward_full` (whole sequences,
+optionally returning per-sequence caches a decode can continue from) and `forward_decode` (one new
+token for each row of a `DecodeBatch`, rows at any positions; see decode_batch.py for its layout).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch import nn
 
 from engines.model.config import CSA, SLIDING, ModelConfig
 from engines.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, unweighted_rms_norm
+
+if TYPE_CHECKING:
+    from engines.model.decode_batch import CompressorSlots, LayerSlots
 
 
 @dataclass
@@ -33,6 +37,8 @@ class CompressorState:
     buffer_kv: torch.Tensor
     buffer_gate: torch.Tensor
     entries: torch.Tensor
+    rate: int
+    overlapping: bool
     overlap_kv: torch.Tensor | None = None
     overlap_gate: torch.Tensor | None = None
 
@@ -59,9 +65,12 @@ class Compressor(nn.Module):
         self.rate, self.out_dim, self.overlap = rate, out_dim, overlap
         self.register_buffer("inv_freq", rope_inv_freq(cfg, "compress"), persistent=False)
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first_position: int,
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first_position: int | torch.Tensor,
              prior: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Pool complete windows. kv/gate: [B, n*rate, width] raw projections; returns ([B, n, out_dim], new overlap)."""
+        """Pool complete windows. kv/gate: [B, n*rate, width] raw projections; returns ([B, n, out_dim], new overlap).
+
+        first_position: the first window's start, one int or one per row ([B]).
+        """
         B, n = kv.shape[0], kv.shape[1] // self.rate
         m, d = self.rate, self.out_dim
         if n == 0:
@@ -79,7 +88,8 @@ class Compressor(nn.Module):
             new_overlap = (kv[:, -1, :, :d].clone(), gate[:, -1, :, :d].clone())
             kv, gate = slots_kv, slots_gate
         pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
-        positions = torch.arange(n, device=kv.device) * m + first_position
+        positions = torch.arange(n, device=kv.device) * m
+        positions = positions + (first_position[:, None] if torch.is_tensor(first_position) else first_position)
         cos, sin = rope_cos_sin(self.inv_freq, positions, pooled.dtype)
         return apply_rope(pooled, cos, sin), new_overlap
 
@@ -90,25 +100,27 @@ class Compressor(nn.Module):
         entries, overlap = self.pool(kv[:, :usable], gate[:, :usable], 0, None)
         if not keep_state:
             return entries, None
-        states = [CompressorState(kv[b, usable:], gate[b, usable:], entries[b],
+        states = [CompressorState(kv[b, usable:], gate[b, usable:], entries[b], self.rate, self.overlap,
                                   None if overlap is None else overlap[0][b:b + 1],
                                   None if overlap is None else overlap[1][b:b + 1]) for b in range(x.shape[0])]
         return entries, states
 
-    def step(self, x: torch.Tensor, states: list[CompressorState]) -> None:
-        """Feed one new token per sequence ([B, H]); emits an entry into a state when its window closes."""
+    def step(self, x: torch.Tensor, slots: "CompressorSlots", positions: torch.Tensor) -> None:
+        """Feed one token per row (x [B, H] at positions [B]); rows whose window closes emit an entry."""
         kv, gate = self.wkv(x), self.wgate(x)
-        for b, st in enumerate(states):
-            st.buffer_kv = torch.cat([st.buffer_kv, kv[b:b + 1]])
-            st.buffer_gate = torch.cat([st.buffer_gate, gate[b:b + 1]])
-            if st.buffer_kv.shape[0] == self.rate:
-                prior = None if st.overlap_kv is None else (st.overlap_kv, st.overlap_gate)
-                first = st.entries.shape[0] * self.rate
-                entry, overlap = self.pool(st.buffer_kv[None], st.buffer_gate[None], first, prior)
-                st.entries = torch.cat([st.entries, entry[0]])
-                if overlap is not None:
-                    st.overlap_kv, st.overlap_gate = overlap
-                st.buffer_kv, st.buffer_gate = st.buffer_kv[:0], st.buffer_gate[:0]
+        rows, slot = torch.arange(x.shape[0], device=x.device), positions % self.rate
+        slots.buffer_kv[rows, slot] = kv.to(slots.buffer_kv.dtype)
+        slots.buffer_gate[rows, slot] = gate.to(slots.buffer_gate.dtype)
+        closing = (slot == self.rate - 1).nonzero()[:, 0]
+        if closing.numel() == 0:
+            return
+        index = positions[closing] // self.rate
+        prior = (slots.overlap_kv[closing], slots.overlap_gate[closing]) if self.overlap else None
+        entry, overlap = self.pool(slots.buffer_kv[closing], slots.buffer_gate[closing], index * self.rate, prior)
+        slots.ensure_capacity(int(index.max()) + 1)
+        slots.entries[closing, index] = entry[:, 0].to(slots.entries.dtype)
+        if overlap is not None:
+            slots.overlap_kv[closing], slots.overlap_gate[closing] = overlap
 
 
 class Indexer(nn.Module):
@@ -186,14 +198,17 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Sink-softmax attention with K=V. q [B, nh, S, hd], keys [B, L, hd], allowed [B, S, L] -> [B, nh, S, hd]."""
-        logits = torch.matmul(q, keys.unsqueeze(1).transpose(-1, -2)) * self.cfg.head_dim ** -0.5
+        B, nh, S, hd = q.shape
+        L = keys.shape[1]
+        # One shared K=V head: fold heads into the query rows instead of broadcasting keys to every head.
+        logits = torch.bmm(q.reshape(B, nh * S, hd), keys.transpose(1, 2)).view(B, nh, S, L) * hd ** -0.5
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         # The sink stays fp32, so in bf16 the concatenation promotes and the softmax runs in fp32 (as the reference).
         sinks = self.attn_sink.view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-        return torch.matmul(probs.to(keys.dtype), keys.unsqueeze(1))
+        return torch.bmm(probs.to(keys.dtype).reshape(B, nh * S, L), keys).view(B, nh, S, hd)
 
     def _output(self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Undo V's RoPE at the query position, then the grouped low-rank output projection."""
@@ -236,37 +251,27 @@ class Attention(nn.Module):
                              indexer=idx_states[b] if idx_states else None) for b in range(B)]
         return out, caches
 
-    # ------------------------------------------------------------------ one token per sequence
-    def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
-        """x [B, 1, H], positions [B, 1]; updates each sequence's cache in place (new tensors, never in-place ops)."""
+    # ------------------------------------------------------------------ one token per row
+    def forward_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: "LayerSlots") -> torch.Tensor:
+        """x [B, 1, H], positions [B, 1]; writes this token into the batch's caches (in place)."""
         cfg = self.cfg
+        W = cfg.sliding_window
         q, kv, q_residual, (cos, sin) = self._project(x, positions)
-        key_rows = []
-        for b, c in enumerate(caches):
-            window = torch.cat([c.window, kv[b]])  # the last sliding_window tokens, this one included
-            c.window = window[max(0, window.shape[0] - cfg.sliding_window + 1):]
-            key_rows.append([window])
+        keys = torch.cat([cache.window, kv.to(cache.window.dtype)], dim=1)  # [B, W, hd], this token last
+        cache.window = keys[:, 1:]
+        pos = positions[:, 0]
+        allowed = (torch.arange(W, device=x.device) >= (W - 1 - pos)[:, None]).unsqueeze(1)  # [B, 1, W]
         if self.compressor is not None:
-            self.compressor.step(x[:, 0], [c.compressor for c in caches])
+            self.compressor.step(x[:, 0], cache.compressor, pos)
+            entries = cache.compressor.entries
+            T = entries.shape[1]
             if self.indexer is not None:
-                self.indexer.compressor.step(x[:, 0], [c.indexer for c in caches])
+                self.indexer.compressor.step(x[:, 0], cache.indexer, pos)
                 ccos, csin = rope_cos_sin(self.compress_inv_freq, positions, x.dtype)
-                for b, c in enumerate(caches):
-                    entries = c.compressor.entries
-                    if entries.shape[0] == 0:
-                        continue
-                    scores = self.indexer.scores(x[b:b + 1], q_residual[b:b + 1], c.indexer.entries[None],
-                                                 ccos[b:b + 1], csin[b:b + 1])
-                    chosen = self.indexer.select(scores, positions[b:b + 1])[0, 0]
-                    key_rows[b].append(entries[chosen])
+                scores = self.indexer.scores(x, q_residual, cache.indexer.entries[:, :T], ccos, csin)
+                visible = self.indexer.select(scores, positions)
             else:
-                for b, c in enumerate(caches):
-                    key_rows[b].append(c.compressor.entries)
-        rows = [torch.cat(parts) for parts in key_rows]
-        L = max(r.shape[0] for r in rows)
-        keys = x.new_zeros(len(rows), L, cfg.head_dim)
-        allowed = torch.zeros(len(rows), 1, L, dtype=torch.bool, device=x.device)
-        for b, r in enumerate(rows):
-            keys[b, :r.shape[0]] = r
-            allowed[b, 0, :r.shape[0]] = True
+                visible = (torch.arange(T, device=x.device) < ((pos + 1) // self.compressor.rate)[:, None]).unsqueeze(1)
+            keys = torch.cat([keys, entries], dim=1)
+            allowed = torch.cat([allowed, visible], dim=-1)
         return self._output(self._attend(q, keys, allowed), cos, sin)

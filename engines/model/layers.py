@@ -183,11 +183,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat, ids = x.reshape(-1, shape[-1]), token_ids.reshape(-1)
         weights, indices = self.gate(flat, ids)
-        routed = torch.zeros_like(flat)
-        for e in torch.unique(indices).tolist():
-            token_idx, slot = torch.where(indices == e)
-            out = self.experts[e](flat[token_idx]) * weights[token_idx, slot, None]
-            routed.index_add_(0, token_idx, out.to(routed.dtype))
+        # One output row per (token, slot), summed over slots afterwards: index_add_ costs ~0.3 ms a call on CPU.
+        k = indices.shape[-1]
+        per_slot = flat.new_zeros(flat.shape[0] * k, shape[-1])
+        flat_indices, flat_weights = indices.reshape(-1), weights.reshape(-1, 1)
+        for e in torch.unique(flat_indices).tolist():
+            rows = (flat_indices == e).nonzero()[:, 0]
+            per_slot[rows] = (self.experts[e](flat[rows // k]) * flat_weights[rows]).to(per_slot.dtype)
+        routed = per_slot.view(-1, k, shape[-1]).sum(dim=1)
         return (routed + self.shared_experts(flat)).view(shape)
 
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ weight-loading story (dequantization happens in checkpoints/ and engines/quant.p
     from engines.model import DeepseekV4, ModelConfig
     model = DeepseekV4(ModelConfig.from_json_file("ckpt/config.json"))
     logits = model(input_ids)                       # [B, S, vocab]
-    logits, caches = model.prefill(prompt_ids)      # then, token by token:
-    logits = model.decode(next_ids, caches)
+    logits, caches = model.prefill(prompt_ids)      # one SequenceCache per prompt; then, token by token:
+    batch = DecodeBatch.from_caches(model.cfg, caches)
+    logits = model.decode(next_ids, batch)
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from torch import nn
 from engines.model import faults
 from engines.model.attention import Attention, LayerCache
 from engines.model.config import ModelConfig
+from engines.model.decode_batch import DecodeBatch
 from engines.model.layers import MoE, RMSNorm, hc_head, hc_merge, hc_weights
 
 
 @dataclass
 class SequenceCache:
-    """Everything a decode step needs about one sequence: its next position and every layer's cache."""
+    """One sequence's prefill result: its next position and every layer's cache (never written to later)."""
 
     position: int
     layers: list[LayerCache] = field(default_factory=list)
@@ -130,16 +132,15 @@ class DeepseekV4(nn.Module):
                 trace.append(layer_trace)
         return self._logits(streams), caches
 
-    def decode(self, token_ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
-        """One new token per sequence: token_ids [B] -> logits [B, vocab]; advances each cache by one position."""
-        positions = torch.tensor([[c.position] for c in caches], device=token_ids.device)
+    def decode(self, token_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row by one position."""
+        positions = batch.positions.view(-1, 1).to(token_ids.device)
         ids = token_ids.view(-1, 1)
         streams = self._streams(ids)
         for i, layer in enumerate(self.layers):
             def attention(x, layer=layer, i=i):
-                return layer.attn.forward_decode(x, positions, [c.layers[i] for c in caches])
+                return layer.attn.forward_decode(x, positions, batch.layers[i])
 
             streams = layer(streams, faults.routing_ids(ids, positions, i, self.cfg.vocab_size), attention)
-        for c in caches:
-            c.position += 1
+        batch.positions = batch.positions + 1
         return self._logits(streams)[:, 0]

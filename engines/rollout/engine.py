@@ -3,8 +3,8 @@
 One scheduler thread owns the model. Each loop iteration runs pending control commands, admits
 waiting requests up to `max_running_requests` (prefill, grouped by length, served from a prefix cache
 when the same sequence was prefilled before, e.g. the n samples of a GRPO group), then runs one decode
-step for every running request (each with its own `SequenceCache`, so requests at different positions
-share a batch). Callers on other threads talk to it only through futures, so HTTP handlers, tests and
+step for every running request (row i of one `DecodeBatch` is `_running[i]`; requests at different
+positions share it). Callers on other threads talk to it only through futures, so HTTP handlers, tests and
 benchmarks never touch the model.
 
 Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, min_new_tokens,
@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 import torch
 
-from engines.model import SequenceCache
-from engines.rollout.sampling import SamplingParams, fork_cache, sample_token
+from engines.model import DecodeBatch, SequenceCache
+from engines.rollout.sampling import SamplingParams, sample_tokens
 from engines.rollout.weights import (
     FAULTS,
     RawTensor,
@@ -76,6 +76,10 @@ class EngineConfig:
     profile: Mapping[str, Any] = field(default_factory=dict)
     """Engine profile as a mapping (e.g. `dataclasses.asdict(get_profile(...))`); read: `fp8_dtype` ==
     "e4m3fnuz" or `rocm_fnuz` True puts FP8 weights through e4m3fnuz copies, as ROCm MI300-class engines do."""
+    threads: int | None = None
+    """Intra-op CPU threads of the scheduler thread (torch.set_num_threads there; other threads keep theirs).
+    None keeps torch's default. A decode step of a small model is thousands of tiny ops, where waking a second
+    thread can cost more than it saves: bench/rollout.py measures 1 thread against the default."""
     fault: str | None = None
     """Tests only: simulate a known weight-update bug in every rebuild after the first (weights.FAULTS)."""
 
@@ -84,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1; got {self.max_running_requests}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (torch's default); got {self.threads}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}; got {self.fault!r}")
 
@@ -144,7 +150,6 @@ class _Request:
         self.output_top: list[list[tuple[float, int]]] = []
         self.input_logprobs: list[float | None] | None = None
         self.input_top: list[list[tuple[float, int]] | None] = []
-        self.cache: SequenceCache | None = None
         self.next_logits: torch.Tensor | None = None
         self.cached_tokens = 0
         self.num_retractions = 0
@@ -191,6 +196,8 @@ class RolloutEngine:
         self.weight_version = self.config.weight_version
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._batch: DecodeBatch | None = None
+        """Decode caches of `_running`, row i for request i (None when nothing runs)."""
         self._prefix: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
         self._paused = False
         self._session: dict[str, RawTensor] | None = None
@@ -363,6 +370,8 @@ class RolloutEngine:
 
     # ================================================================== scheduler thread
     def _loop(self) -> None:
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
         while True:
             idle = not (self._schedulable and (self._waiting or self._running))
             try:
@@ -409,7 +418,7 @@ class RolloutEngine:
             for r in {id(r): r for r in admitted + self._running}.values():
                 if not r.future.done():
                     r.future.set_exception(RuntimeError(f"rollout engine step failed: {exc!r}"))
-            self._running = []
+            self._running, self._batch = [], None
 
     def _stop(self, commands: list[_Command | None]) -> None:
         self._stopping = True
@@ -436,6 +445,7 @@ class RolloutEngine:
                 tops[key] = max(tops.get(key, 0), wants_top)
         fresh = self._prefill_sequences(tops)
         seen: set[tuple[int, ...]] = set()
+        started: list[tuple[_Request, SequenceCache]] = []
         for r in reqs:
             key = tuple(r.sequence)
             entry, top = fresh[key] if key in fresh else (hits[key], None)
@@ -443,13 +453,20 @@ class RolloutEngine:
                 r.cached_tokens = len(key)
                 self._stats["cached_tokens"] += len(key)
             seen.add(key)
-            r.cache, r.next_logits = fork_cache(entry.cache), entry.last_logits
+            r.next_logits = entry.last_logits
             if r.input_logprobs is None:
                 self._set_input_logprobs(r, entry.token_logprobs, top)
             if r.spec.sampling.max_new_tokens == 0:
                 self._finish(r, {"type": "length", "length": 0})
             else:
-                self._running.append(r)
+                started.append((r, entry.cache))
+        if started:  # from_caches copies: decoding never writes into the prefix cache
+            rows = DecodeBatch.from_caches(self.cfg, [cache for _, cache in started])
+            if self._batch is None:
+                self._batch = rows
+            else:
+                self._batch.extend(rows)
+            self._running.extend(r for r, _ in started)
 
     def _prefill_sequences(self, tops: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], tuple[_PrefixEntry, Any]]:
         """Prefill each distinct sequence once (equal lengths batched); `tops`: sequence -> top-k wanted."""
@@ -497,28 +514,39 @@ class RolloutEngine:
         rows = self._running
         logits = torch.stack([r.next_logits for r in rows])
         raw = torch.log_softmax(logits.float(), dim=-1)
-        keep: list[_Request] = []
         for i, r in enumerate(rows):
-            spec = r.spec
-            row = logits[i]
-            if len(r.output_ids) < spec.min_new_tokens and r.stop_ids:
-                row = row.index_fill(0, torch.tensor(sorted(r.stop_ids)), float("-inf"))
-            tok = sample_token(row, spec.sampling, r.generator)
+            if len(r.output_ids) < r.spec.min_new_tokens and r.stop_ids:
+                logits[i] = logits[i].index_fill(0, torch.tensor(sorted(r.stop_ids)), float("-inf"))
+        tokens = sample_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows])
+        token_logprobs = raw.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        keep: list[_Request] = []
+        for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.output_ids.append(tok)
-            r.output_logprobs.append(float(raw[i, tok]))
-            if spec.top_logprobs_num:
-                r.output_top.append(_topk_rows(raw[i:i + 1], spec.top_logprobs_num)[0])
+            r.output_logprobs.append(token_logprobs[i])
+            if r.spec.top_logprobs_num:
+                r.output_top.append(_topk_rows(raw[i:i + 1], r.spec.top_logprobs_num)[0])
             self._stats["generated_tokens"] += 1
             reason = self._finish_reason(r, tok)
             if reason is None:
                 keep.append(r)
             else:
                 self._finish(r, reason)
-        self._running = keep
+        self._keep_running(keep)
         if keep:
-            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), [r.cache for r in keep])
+            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch)
             for i, r in enumerate(keep):
                 r.next_logits = nxt[i]
+
+    def _keep_running(self, keep: list[_Request]) -> None:
+        """Shrink `_running` (and its decode rows) to `keep`, a subsequence of it."""
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._running, self._batch = [], None
+            return
+        position = {id(r): i for i, r in enumerate(self._running)}
+        self._batch.select([position[id(r)] for r in keep])
+        self._running = keep
 
     def _finish_reason(self, r: _Request, tok: int) -> dict[str, Any] | None:
         """SGLang's order: length first, then stop tokens, then stop strings."""
@@ -537,7 +565,7 @@ class RolloutEngine:
         return None
 
     def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
-        r.cache = r.next_logits = None
+        r.next_logits = None
         out = RequestOutput(
             rid=r.spec.rid, input_ids=r.spec.input_ids, output_ids=r.output_ids, finish_reason=reason,
             output_logprobs=r.output_logprobs, output_top_logprobs=r.output_top,
@@ -552,7 +580,7 @@ class RolloutEngine:
         hit = [r for r in list(self._waiting) + self._running if match(r)]
         ids = {id(r) for r in hit}
         self._waiting = deque(r for r in self._waiting if id(r) not in ids)
-        self._running = [r for r in self._running if id(r) not in ids]
+        self._keep_running([r for r in self._running if id(r) not in ids])
         for r in hit:
             self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
         return len(hit)
@@ -562,11 +590,11 @@ class RolloutEngine:
             self._abort_where(lambda r: True, "Abort: generation paused (pause_generation mode=abort)")
         elif mode == "retract":
             for r in self._running:
-                r.cache = r.next_logits = None
+                r.next_logits = None
                 r.num_retractions += 1
                 self._stats["retractions"] += 1
             self._waiting.extendleft(reversed(self._running))
-            self._running = []
+            self._running, self._batch = [], None
         self._paused = True
 
     def _flush_cache(self) -> bool:

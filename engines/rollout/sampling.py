@@ -1,4 +1,4 @@
-"""Batched sampling with our DeepSeek-V4: prefill once per prompt, fork the cache for n samples, decode.
+"""Batched sampling with our DeepSeek-V4: prefill once per prompt, n decode rows per prompt, decode.
 
 Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, stop_token_ids,
 ignore_eos, a per-request seed). The logprob reported for each sampled token is the RAW logprob,
@@ -13,12 +13,11 @@ tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
-from engines.model import DeepseekV4, SequenceCache
+from engines.model import DecodeBatch, DeepseekV4, SequenceCache
 
 
 @dataclass(kw_only=True)
@@ -55,22 +54,6 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
-def fork_cache(cache: SequenceCache) -> SequenceCache:
-    """An independent copy sharing tensors (decode replaces tensors, it never writes into them)."""
-    return copy.deepcopy(cache, memo={id(t): t for t in _tensors(cache)})
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif hasattr(obj, "__dict__"):
-        for x in vars(obj).values():
-            yield from _tensors(x)
-
-
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Draw one token id from a [vocab] logit row under the sampling parameters."""
     if params.temperature == 0:
@@ -85,6 +68,21 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """`sample_token` for every row of [B, vocab] logits, with the softmax batched over rows that only set a
+    temperature; each row still draws from its own generator, so a row's token does not depend on the others."""
+    tokens = [0] * len(params)
+    plain = [i for i, p in enumerate(params) if p.temperature > 0 and p.top_k <= 0 and p.top_p >= 1.0]
+    if plain:
+        temperatures = torch.tensor([params[i].temperature for i in plain], dtype=torch.float32)
+        probs = torch.softmax(logits[plain].float() / temperatures[:, None], dim=-1)
+        for j, i in enumerate(plain):
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+    for i in sorted(set(range(len(params))) - set(plain)):
+        tokens[i] = sample_token(logits[i], params[i], generators[i])
+    return tokens
 
 
 @torch.inference_mode()
@@ -107,7 +105,7 @@ def generate(model: DeepseekV4, prompts: list[list[int]], params: SamplingParams
         for j, i in enumerate(idxs):
             for s in range(n):
                 rows.append((i, s))
-                caches.append(fork_cache(pre[j]) if s < n - 1 else pre[j])
+                caches.append(pre[j])  # DecodeBatch.from_caches copies, so the n rows evolve independently
                 next_logits.append(logits[j, -1])
     generators = [torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + s) for i, s in rows]
     outputs = [[] for _ in rows]
@@ -115,21 +113,27 @@ def generate(model: DeepseekV4, prompts: list[list[int]], params: SamplingParams
     finish = ["length"] * len(rows)
     active = list(range(len(rows))) if params.max_new_tokens > 0 else []
     current = torch.stack(next_logits) if next_logits else None
+    batch = DecodeBatch.from_caches(model.cfg, caches) if active else None
     while active:
         raw = torch.log_softmax(current.float(), dim=-1)
-        tokens, still = [], []
+        drawn = sample_tokens(current, [params] * len(active), [generators[r] for r in active])
+        drawn_logprobs = raw.gather(1, torch.tensor(drawn)[:, None])[:, 0].tolist()
+        tokens, still, rows_kept = [], [], []
         for pos, r in enumerate(active):
-            tok = sample_token(current[pos], params, generators[r])
+            tok = drawn[pos]
             outputs[r].append(tok)
-            logprobs[r].append(float(raw[pos, tok]))
+            logprobs[r].append(drawn_logprobs[pos])
             if tok in stops:
                 finish[r] = "stop"
             elif len(outputs[r]) < params.max_new_tokens:
                 still.append(r)
                 tokens.append(tok)
+                rows_kept.append(pos)
         active = still
         if active:
-            current = model.decode(torch.tensor(tokens), [caches[r] for r in active])
+            if len(rows_kept) < len(batch):
+                batch.select(rows_kept)
+            current = model.decode(torch.tensor(tokens), batch)
     result: list[list[Completion]] = [[None] * n for _ in prompts]  # type: ignore[list-item]
     for r, (i, s) in enumerate(rows):
         result[i][s] = Completion(list(prompts[i]), outputs[r], logprobs[r], finish[r])
