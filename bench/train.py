@@ -1,4 +1,4 @@
-"""`v4rl bench train --json OUT`: trainer tokens/s (fwd + bwd, length-sorted) against transformers with padded batches.
+"""`v4rl bench train --json OUT`: trainer tokens/s (fwd + bwd, shared prompts) against transformers with padded batches.
 
 One GRPO-like batch, the same for both sides: `n_sequences` samples (`n_samples_per_prompt` per math prompt from
 rl.math_task.make_splits, BOS + prompt tokenized with the checkpoint's tokenizer) with responses of 3..24 random
@@ -9,14 +9,17 @@ run under BF16 autocast with fp32 master weights, and take one full GRPO step pe
 forward + backward of every micro-batch, the same loss (rl.grpo.policy_loss with TIS, token-mean over the
 batch), gradient clipping and the AdamW step (the optimizer step is on both sides).
 
-  ours          engines.train.trainer.Trainer.grpo_step: samples sorted by length and cut into micro-batches
-                whose padded size fits max_tokens_per_gpu, so padding is a few percent (true packing is
-                impossible with DeepSeek-V4's compressors in transformers: they pool across row positions)
+  ours          engines.train.trainer.Trainer.grpo_step: each micro-batch forwards its distinct prompts once
+                and continues every sample's response from the prompt's cache (expanded per sample), within
+                max_tokens_per_gpu (prompts + padded responses); same logprobs and gradients as full sequences
+                (tests/test_trainer.py). True packing is impossible with DeepSeek-V4's compressors in
+                transformers: they pool across row positions.
   transformers  the usual padded recipe: samples in rollout order, a fixed batch size chosen so that a padded
                 batch of the longest sample fills the same token budget, each batch right-padded to its
                 longest sample (dynamic padding) with an attention mask, loss masked to the response tokens
 
-tokens/s counts real (non-pad) prompt + response tokens on both sides. Runs alternate ours / transformers
+tokens/s counts real (non-pad) prompt + response tokens of every sample on both sides (a prompt shared by
+8 samples counts 8 times, as the peer computes it 8 times). Runs alternate ours / transformers
 `repeats` times after one warm-up step each (the machine may be shared): tok/s best and median of each side,
 the speedup is the median of the per-pair ratios. The first step of each side runs on identical weights, so
 its loss and gradient norm are reported side by side as a check that both compute the same thing.
@@ -56,7 +59,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
          seed: int = 0) -> dict[str, Any]:
     from checkpoints.hf import load_hf_checkpoint
     from engines.train.hf_model import reference_from_native
-    from engines.train.trainer import Trainer, TrainerConfig
+    from engines.train.trainer import Trainer, TrainerConfig, prefix_batches
     from rl.grpo import GRPOConfig
 
     json_out = Path(json_out)
@@ -92,9 +95,10 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
     ours_tps = [real_tokens / o for o, _ in runs]
     peer_tps = [real_tokens / h for _, h in runs]
     speedup = statistics.median(h / o for o, h in runs)
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    micro = trainer._batches(lengths, [len(s.response_ids) for s in samples])
-    ours_padded = sum(len(b) * max(lengths[i] for i in b) for b in micro)
+    micro = prefix_batches([(s.prompt_ids, s.response_ids) for s in samples], max_tokens)
+    ours_forwarded = sum(len(b.prompts) * len(b.prompts[0])
+                         + sum(map(len, b.members)) * max(len(samples[i].response_ids) for m in b.members for i in m)
+                         for b in micro)
     result: dict[str, Any] = {
         "machine": machine, "model": str(model_dir), "dtype": "bfloat16 autocast, fp32 master weights, AdamW",
         "step": "zero_grad + fwd + bwd of every micro-batch + grad clip + AdamW step (both sides)",
@@ -104,8 +108,9 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
                  "response_tokens_total": sum(len(s.response_ids) for s in samples), "seed": seed},
         "max_tokens_per_gpu": max_tokens, "repeats": repeats,
         "ours": {"tok_s_best": max(ours_tps), "tok_s_median": statistics.median(ours_tps),
-                 "micro_batches": len(micro), "padding_fraction": 1 - real_tokens / ours_padded,
-                 "mean_micro_batch_tokens": ours_padded / len(micro)},
+                 "micro_batches": len(micro), "forwarded_tokens": ours_forwarded,
+                 "forwarded_per_real_token": ours_forwarded / real_tokens,
+                 "mean_micro_batch_tokens": ours_forwarded / len(micro)},
         "transformers": {"tok_s_best": max(peer_tps), "tok_s_median": statistics.median(peer_tps),
                          "batch_size": peer.batch_size, "micro_batches": len(peer.batches),
                          "padded_tokens": peer.padded_tokens,
@@ -221,8 +226,8 @@ def _print_summary(r: dict[str, Any], json_out: Path) -> None:
     o, t, d = r["ours"], r["transformers"], r["data"]
     print(f"train step ({d['n_sequences']} sequences, {d['real_tokens']} real tokens, budget "
           f"{r['max_tokens_per_gpu']} tokens/micro-batch, BF16 autocast, fwd+bwd+AdamW):")
-    print(f"  ours length-sorted  {o['tok_s_best']:.0f} tok/s best, {o['tok_s_median']:.0f} median "
-          f"({o['micro_batches']} length-sorted micro-batches, {o['padding_fraction']:.1%} padding)")
+    print(f"  ours shared prompts {o['tok_s_best']:.0f} tok/s best, {o['tok_s_median']:.0f} median "
+          f"({o['micro_batches']} micro-batches forwarding {o['forwarded_per_real_token']:.2f} tokens per real token)")
     print(f"  transformers padded {t['tok_s_best']:.0f} tok/s best, {t['tok_s_median']:.0f} median "
           f"({t['micro_batches']} batches of {t['batch_size']}, {t['padding_fraction']:.0%} padding)")
     print(f"  speedup {r['speedup']:.2f}x (median of pairs; goal >= {GOAL}x: "

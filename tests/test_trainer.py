@@ -15,7 +15,7 @@ import torch
 from checkpoints.hf import load_hf_checkpoint
 from engines.model import DeepseekV4
 from engines.score import token_logprobs
-from engines.train.trainer import Sample, Trainer, TrainerConfig, micro_batches
+from engines.train.trainer import Sample, Trainer, TrainerConfig, micro_batches, prefix_batches
 from rl.grpo import GRPOConfig, group_advantages
 
 
@@ -39,6 +39,52 @@ def test_micro_batches_cover_everything_within_budget_with_little_padding():
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     assert all(len(b) * max(lengths[i] for i in b) <= 500 for b in batches)
     assert padded / sum(lengths) < 1.05  # sorted neighbours share a batch: < 5% padding
+
+
+def _groups(seed: int) -> list[tuple[list[int], list[int]]]:
+    """GRPO-shaped: 3 prompts (lengths 29, 29, 31) x 4 samples with responses of 1-6 tokens."""
+    rng = random.Random(seed)
+    prompts = [[0] + [rng.randrange(4, 100) for _ in range(n)] for n in (28, 28, 30)]
+    return [(p, [rng.randrange(4, 100) for _ in range(rng.choice([1, 2, 5, 6]))]) for p in prompts for _ in range(4)]
+
+
+def test_prefix_batches_cover_each_sample_once_within_budget():
+    seqs = _groups(seed=4) + _seqs(5, seed=5)
+    for budget in (40, 90, 10_000):
+        batches = prefix_batches(seqs, budget)
+        rows = [i for b in batches for members in b.members for i in members]
+        assert sorted(rows) == list(range(len(seqs)))
+        for b in batches:
+            assert len({len(p) for p in b.prompts}) == 1 and len(set(b.prompts)) == len(b.prompts)
+            assert all(tuple(seqs[i][0]) == p for p, members in zip(b.prompts, b.members) for i in members)
+            longest = max(len(seqs[i][1]) for members in b.members for i in members)
+            size = len(b.prompts) * len(b.prompts[0]) + sum(map(len, b.members)) * longest
+            assert size <= budget or (len(b.prompts) == 1 and len(b.members[0]) == 1)
+    assert len(prefix_batches(_groups(seed=4), 10_000)) == 2  # one per prompt length
+
+
+def test_shared_prompt_prefix_gives_the_same_logprobs_and_update(tiny_checkpoint):
+    """Prompts forwarded once per micro-batch (cache expanded per sample) vs every sample as a full sequence."""
+    seqs = _groups(seed=6)
+    results = {}
+    for shared in (True, False):
+        trainer, _ = _trainer(tiny_checkpoint, lr=1e-3, compute_dtype="float32", max_tokens_per_gpu=90,
+                              share_prompt_prefix=shared)
+        assert trainer.shares_prefix is shared
+        lp = trainer.logprobs(seqs)
+        samples = [Sample(p, r, [x - 0.01 for x in lps], float(i % 2), i // 4, advantage=1.0 if i % 2 else -1.0)
+                   for i, ((p, r), lps) in enumerate(zip(seqs, lp))]
+        metrics = trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4))
+        results[shared] = (lp, metrics, {k: p.grad.clone() for k, p in trainer.model.named_parameters()
+                                         if p.grad is not None})
+    (lp_a, m_a, g_a), (lp_b, m_b, g_b) = results[True], results[False]
+    assert [len(x) for x in lp_a] == [len(r) for _, r in seqs]
+    assert max(abs(a - b) for x, y in zip(lp_a, lp_b) for a, b in zip(x, y)) < 1e-5
+    for key in ("train/pg_loss", "train/entropy", "train/grad_norm"):
+        assert abs(m_a[key] - m_b[key]) <= 1e-4 * max(1.0, abs(m_b[key])), key
+    assert g_a.keys() == g_b.keys() and any("experts" in k for k in g_a)
+    worst = max(((g_a[k] - g_b[k]).abs().max() / g_b[k].abs().max().clamp_min(1e-12)).item() for k in g_a)
+    assert worst < 1e-4, f"gradients differ by {worst:.2e} of their largest entry"
 
 
 def test_trainer_logprobs_match_our_engine_in_fp32(tiny_checkpoint):

@@ -55,9 +55,9 @@ class FakeQuant:
             out[name] = q
         return out
 
-    def forward(self, model, input_ids: torch.Tensor, stored: dict[str, torch.Tensor] | None = None):
-        """model(input_ids) with each quantized weight replaced by w + stop_grad(Q(w) - w)."""
+    def forward(self, model, input_ids: torch.Tensor, stored: dict[str, torch.Tensor] | None = None, **kwargs):
+        """model(input_ids, **kwargs) with each quantized weight replaced by w + stop_grad(Q(w) - w)."""
         stored = stored if stored is not None else self.stored(model)
         params = dict(model.named_parameters())
         swapped = {name: params[name] + (q - params[name]).detach() for name, q in stored.items()}
-        return functional_call(model, swapped, args=(), kwargs={"input_ids": input_ids}, strict=False)
+        return functional_call(model, swapped, args=(), kwargs={"input_ids": input_ids, **kwargs}, strict=False)

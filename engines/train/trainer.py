@@ -1,10 +1,14 @@
 """The embedded trainer: transformers' DeepseekV4ForCausalLM, fp32 master weights, BF16 autocast, AdamW.
 
 It scores given tokens (logprobs + entropy), takes GRPO steps with TIS on a batch of rollout samples,
-and hands its weights to the rollout side as a native state dict. Sequences are sorted by length and cut
-into micro-batches whose padded size stays within `max_tokens_per_gpu`, so neighbours share a batch and
-padding is a few percent (the transformers model cannot pack several sequences into one row: its
-compressors would pool across sequence boundaries, so true packing is not available here).
+and hands its weights to the rollout side as a native state dict.
+
+Samples sharing a prompt (a GRPO group) share its forward: each micro-batch runs its distinct prompts once
+with transformers' DynamicCache, expands the cache to one row per sample (`reorder_cache`) and continues
+with the responses, so a group of n costs one prompt plus n responses instead of n full sequences, with
+the same logprobs and gradients (autograd flows back through the cache). Micro-batches hold prompts of one
+length and stay within `max_tokens_per_gpu` (prompt + padded response tokens). The model cannot pack
+unrelated sequences into one row: its compressors would pool across the boundary.
 
     trainer = Trainer.from_native(cfg, native_state, TrainerConfig(lr=1e-4))
     metrics = trainer.grpo_step(samples, grpo_config)
@@ -42,6 +46,10 @@ class TrainerConfig:
     rounds away, so rollout lags the trainer."""
     rollout_expert_dtype: str = "fp8"
     """Routed-expert format of the rollout weights the quantization-aware forward reproduces."""
+    share_prompt_prefix: bool = True
+    """Run each distinct prompt once per micro-batch and continue its samples from the prompt's cache (same
+    logprobs and gradients as full sequences, to float rounding). Off, or with `recompute` (transformers turns
+    the cache off under gradient checkpointing): every sample is forwarded as a full sequence."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -64,6 +72,54 @@ class Sample:
     """Samples of the same prompt share a group id (GRPO normalises within it)."""
     advantage: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class PrefixBatch:
+    """One shared-prefix micro-batch: distinct prompts of one length and, per prompt, the samples continuing it."""
+
+    prompts: list[tuple[int, ...]]
+    members: list[list[int]]
+    """members[g]: indices (into the caller's sequence list) of the samples whose prompt is prompts[g]."""
+
+
+def prefix_batches(seqs: list[tuple[list[int], list[int]]], max_tokens: int) -> list[PrefixBatch]:
+    """Group samples by prompt, then fill micro-batches with prompts of equal length while
+    prompts x length + samples x longest response stays within max_tokens (a group too big is split).
+
+    >>> [(b.prompts, b.members) for b in prefix_batches([([1, 2], [5]), ([1, 2], [6, 7]), ([3], [8])], 6)]
+    [([(3,)], [[2]]), ([(1, 2)], [[0, 1]])]
+    """
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, (prompt, _) in enumerate(seqs):
+        by_prompt.setdefault(tuple(prompt), []).append(i)
+    units: list[tuple[tuple[int, ...], list[int]]] = []
+    for prompt, members in by_prompt.items():
+        members = sorted(members, key=lambda i: (len(seqs[i][1]), i))
+        part: list[int] = []
+        for i in members:  # split a group whose own prompt + responses exceed the budget
+            longest = len(seqs[i][1])
+            if part and len(prompt) + (len(part) + 1) * longest > max_tokens:
+                units.append((prompt, part))
+                part = []
+            part.append(i)
+        units.append((prompt, part))
+    units.sort(key=lambda u: (len(u[0]), max(len(seqs[i][1]) for i in u[1]), u[1][0]))
+    batches: list[PrefixBatch] = []
+    rows = longest = 0
+    for prompt, members in units:
+        unit_longest = max(len(seqs[i][1]) for i in members)
+        if batches and len(batches[-1].prompts[0]) == len(prompt):
+            current = batches[-1]
+            size = (len(current.prompts) + 1) * len(prompt) + (rows + len(members)) * max(longest, unit_longest)
+            if size <= max_tokens:
+                current.prompts.append(prompt)
+                current.members.append(members)
+                rows, longest = rows + len(members), max(longest, unit_longest)
+                continue
+        batches.append(PrefixBatch([prompt], [members]))
+        rows, longest = len(members), unit_longest
+    return batches
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -114,6 +170,53 @@ class Trainer:
         enabled = self.config.compute_dtype == "bfloat16"
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
+    @property
+    def shares_prefix(self) -> bool:
+        return self.config.share_prompt_prefix and not self.config.recompute
+
+    def _call_model(self, input_ids: torch.Tensor, **kwargs):
+        if self.fake_quant is None:
+            return self.model(input_ids=input_ids, **kwargs)
+        if self._stored is None:  # the weights only change in optimizer.step(): quantize once per step
+            self._stored = self.fake_quant.stored(self.model)
+        return self.fake_quant.forward(self.model, input_ids, self._stored, **kwargs)
+
+    def _forward_shared(self, batch: PrefixBatch, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
+        """Like _forward_logprobs, rows in `batch.members` order: prompts once, responses from the expanded cache."""
+        from transformers import DynamicCache
+
+        rows = [i for members in batch.members for i in members]
+        expand = torch.tensor([g for g, members in enumerate(batch.members) for _ in members])
+        r_max = max(len(seqs[i][1]) for i in rows)
+        responses = torch.zeros(len(rows), r_max, dtype=torch.long)
+        mask = torch.zeros(len(rows), r_max, dtype=torch.bool)
+        for b, i in enumerate(rows):
+            response = seqs[i][1]
+            responses[b, :len(response)] = torch.tensor(response)
+            mask[b, :len(response)] = True
+        with self._autocast():
+            cache = DynamicCache(config=self.model.config)
+            prefix = self._call_model(torch.tensor(batch.prompts), past_key_values=cache, use_cache=True)
+            cache.reorder_cache(expand)
+            continued = self._call_model(responses, past_key_values=cache, use_cache=True)
+        logits = torch.cat([prefix.logits[:, -1:][expand], continued.logits[:, :-1]], dim=1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [rows, R_max, V]
+        token_lp = logp.gather(-1, responses[..., None])[..., 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        return token_lp, entropy, mask
+
+    def _micro_batches(self, seqs: list[tuple[list[int], list[int]]]):
+        """(sample indices in row order, forward) per micro-batch, skipping samples without response tokens."""
+        keep = [i for i, (_, r) in enumerate(seqs) if r]
+        kept = [seqs[i] for i in keep]
+        if self.shares_prefix:
+            for batch in prefix_batches(kept, self.config.max_tokens_per_gpu):
+                rows = [keep[j] for members in batch.members for j in members]
+                yield rows, lambda batch=batch: self._forward_shared(batch, kept)
+        else:
+            for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
+                yield idx, lambda idx=idx: self._forward_logprobs([seqs[i] for i in idx])
+
     def _forward_logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
         """Logprobs, entropies and mask [B, R_max] of the response tokens (right padding; grad enabled)."""
         lengths = [len(p) + len(r) for p, r in seqs]
@@ -126,12 +229,7 @@ class Trainer:
             pos[b, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
             mask[b, :len(r)] = True
         with self._autocast():
-            if self.fake_quant is None:
-                out = self.model(input_ids=ids)
-            else:
-                if self._stored is None:  # the weights only change in optimizer.step(): quantize once per step
-                    self._stored = self.fake_quant.stored(self.model)
-                out = self.fake_quant.forward(self.model, ids, self._stored)
+            out = self._call_model(ids)
         rows = torch.arange(len(seqs))[:, None]
         logp = torch.log_softmax(out.logits[rows, pos].float(), dim=-1)  # [B, R_max, V]
         targets = ids[rows, pos + 1]
@@ -143,8 +241,8 @@ class Trainer:
     def logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per-token logprobs of each (prompt, response) under the current weights."""
         out: list[list[float]] = [[] for _ in seqs]
-        for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
-            lp, _, mask = self._forward_logprobs([seqs[i] for i in idx])
+        for idx, forward in self._micro_batches(seqs):
+            lp, _, mask = forward()
             for i, row, m in zip(idx, lp, mask):
                 out[i] = row[m].tolist()
         return out
@@ -158,10 +256,9 @@ class Trainer:
             raise ValueError("GRPO step got no response tokens; every sample has an empty response")
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        for idx in self._batches(lengths, [len(s.response_ids) for s in samples]):
+        for idx, forward in self._micro_batches([(s.prompt_ids, s.response_ids) for s in samples]):
             chunk = [samples[i] for i in idx]
-            lp, entropy, mask = self._forward_logprobs([(s.prompt_ids, s.response_ids) for s in chunk])
+            lp, entropy, mask = forward()
             rollout_lp = torch.zeros_like(lp)
             for b, s in enumerate(chunk):
                 if len(s.rollout_logprobs) != len(s.response_ids):
