@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         api_key: str = typer.Option(None, envvar="V4RL_ROLLOUT_API_KEY",
                                     help="Require `Authorization: Bearer KEY` on every route but /health*."),
         dtype: str = typer.Option("float32", help="Runtime dtype of the dequantized copies: float32 | bfloat16."),
-        max_running_requests: int = typer.Option(128, help="Requests decoded together at most."),
+        max_running_requests: int = typer.Option(1024, help="Requests decoded together at most."),
         weight_version: str = typer.Option("default", help="Initial weight_version reported in responses."),
         rocm_fnuz: bool = typer.Option(False, help="ROCm engine profile: FP8 runtime path through e4m3fnuz."),
     ) -> None:

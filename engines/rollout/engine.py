@@ -65,8 +65,10 @@ PREFILL_CHUNK = 64
 class EngineConfig:
     dtype: str = "float32"
     """Runtime dtype of the dequantized copies: float32 (bit-exact scoring) or bfloat16."""
-    max_running_requests: int = 128
-    """Requests decoded together at most; the rest wait in the queue (SGLang --max-running-requests)."""
+    max_running_requests: int = 1024
+    """Requests decoded together at most; the rest wait in the queue (SGLang --max-running-requests). SGLang
+    sizes it from KV memory; our caches are small, and one batch for a whole GRPO step (128 prompts x 8)
+    halves its rollout time against waves of 128 (fewer, wider decode steps)."""
     prefix_cache_entries: int = 512
     """Prefilled sequences kept for reuse (LRU); 0 disables the prefix cache."""
     context_length: int | None = None
