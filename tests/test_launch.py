@@ -153,6 +153,9 @@ def test_launch_plan_places_trainer_ranks_and_sglang_engines():
     ranks = [p for n in plan["nodes"] for p in n["processes"] if p["kind"] == "megatron-rank"]
     engines = [p for n in plan["nodes"] for p in n["processes"] if p["kind"] == "sglang-engine"]
     assert len(ranks) == 16 and len(engines) == 4  # 2 x 8 actor GPUs; 16 rollout GPUs / TP4 engines
+    flags = [_flags(e["argv"]) for e in engines]  # the same argv builder the launcher uses (engines/rollout)
+    assert all(e["argv"][:3] == ["python3", "-m", "sglang.launch_server"] for e in engines)
+    assert [f["--base-gpu-id"] for f in flags] == ["0", "4", "0", "4"] and {f["--tp-size"] for f in flags} == {"4"}
     assert {r["coords"]["pp"] for r in ranks} == {0, 1, 2, 3} and {r["coords"]["ep"] for r in ranks} == {0, 1, 2, 3}
     last = [r for r in ranks if r["coords"]["pp"] == 3]
     assert len(last) == 4 and all(r["layers"] == [33, 43] for r in last)

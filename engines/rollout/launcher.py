@@ -94,11 +94,14 @@ class SGLangServerSpec:
             raise ValueError(f"mem_fraction_static must lie in (0, 1); got {self.mem_fraction_static}")
 
 
-def build_launch_command(spec: SGLangServerSpec, *, host: str, port: int) -> list[str]:
-    """The `python -m sglang.launch_server ...` argv for one engine."""
-    cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
-           "--port", str(port), "--tp-size", str(spec.tp_size), "--mem-fraction-static", str(spec.mem_fraction_static),
-           "--trust-remote-code", "--weight-version", spec.weight_version]
+def build_launch_command(spec: SGLangServerSpec, *, host: str | None = None, port: int | None = None) -> list[str]:
+    """The `python -m sglang.launch_server ...` argv for one engine (host/port left out when None: Miles
+    starts its engines in-process and picks them itself)."""
+    cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path]
+    if host is not None and port is not None:
+        cmd += ["--host", host, "--port", str(port)]
+    cmd += ["--tp-size", str(spec.tp_size), "--mem-fraction-static", str(spec.mem_fraction_static),
+            "--trust-remote-code", "--weight-version", spec.weight_version]
     for flag, value in (("--ep-size", spec.ep_size if spec.ep_size > 1 else None),
                         ("--dp-size", spec.dp_size if spec.dp_size > 1 else None),
                         ("--max-running-requests", spec.max_running_requests),

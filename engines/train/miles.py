@@ -177,12 +177,11 @@ def train_args(preset: "RunPreset", profile: "HardwareProfile", job: MilesJob) -
 
 def sglang_server_argv(preset: "RunPreset", job: MilesJob, *, base_gpu_id: int = 0) -> list[str]:
     """What one rollout engine amounts to (Miles starts it in-process as a Ray actor; shown for reproduction)."""
-    r = preset.rollout
-    return ["python3", "-m", "sglang.launch_server", "--model-path", job.hf_checkpoint, "--trust-remote-code",
-            "--tp-size", str(r.engine_tp), "--ep-size", str(r.engine_ep), "--dp-size", str(r.engine_dp),
-            "--max-running-requests", str(r.max_running_requests), "--max-total-tokens", str(r.max_total_tokens),
-            "--context-length", str(r.context_length), "--mem-fraction-static", str(r.mem_fraction_static),
-            "--base-gpu-id", str(base_gpu_id)]
+    from engines.rollout.launcher import SGLangServerSpec, build_launch_command
+
+    spec = SGLangServerSpec.from_preset(job.hf_checkpoint, preset, python="python3",
+                                        extra_args=("--base-gpu-id", str(base_gpu_id)))
+    return build_launch_command(spec)
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
