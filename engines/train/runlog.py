@@ -4,6 +4,10 @@
 metrics.jsonl is one JSON object per committed step. A resumed run first drops rows past the step it
 resumes from (they were logged after the last checkpoint, and their weights are gone), so the series
 stays continuous with no duplicate step rows.
+
+Optional metric sinks (TensorBoard, W&B: engines/train/sinks.py) get each row right after it is committed
+here, each eval result right after its JSON is written, and a rewind whenever rows are dropped, so they
+carry the same series as metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from engines.train.sinks import MetricSinks
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -29,8 +35,9 @@ def _clean(value: Any) -> Any:
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, sinks: MetricSinks | None = None) -> None:
         self.dir = Path(run_dir)
+        self.sinks = sinks if sinks is not None else MetricSinks()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.eval_dir = self.dir / "eval"
@@ -66,6 +73,7 @@ class RunLog:
         rows = self.metrics()
         kept = [r for r in rows if r["step"] <= step]
         _atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.sinks.rewind(step)
         return len(rows) - len(kept)
 
     def append_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -77,10 +85,12 @@ class RunLog:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self.sinks.log_metrics(row)
 
     def write_eval(self, step: int, result: dict) -> Path:
         path = self.eval_dir / f"step_{step:06d}.json"
         _atomic_write(path, json.dumps({"step": step, **result}, indent=2) + "\n")
+        self.sinks.log_eval(step, result)
         return path
 
     def evals(self) -> list[dict]:
