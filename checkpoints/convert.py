@@ -63,6 +63,7 @@ from checkpoints.hf_stream import (
 )
 from checkpoints.manifest import AtomicOutput, is_complete, manifest_key, source_manifest
 from checkpoints.names import placement
+from checkpoints.megatron_io import import_megatron, megatron_load, megatron_tensor_metadata, single_rank_process_group
 from checkpoints.torch_dist import (
     IGNORED_KEY_PREFIXES,
     RELEASE_DIR,
@@ -74,13 +75,9 @@ from checkpoints.torch_dist import (
     TorchDistReader,
     check_storage_bounds,
     hf_config_of,
-    import_megatron,
     mark_release,
-    megatron_load,
     megatron_specs,
-    megatron_tensor_metadata,
     resolve_iteration_dir,
-    single_rank_process_group,
     sync_files,
     write_checkpointing_config,
     write_common,

@@ -18,15 +18,19 @@ from tasks.evaluate import held_out_eval
 
 @flow(name="evaluate", log_prints=True)
 def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_samples: int = 8, seed: int = 0,
-             artifact_key: str | None = None) -> dict:
+             artifact_key: str | None = None, metric_sinks: list[str] | None = None, eval_data: str = "",
+             max_grader_error_ratio: float = 0.25) -> dict:
     from engines.train.runlog import RunLog
+    from engines.train.sinks import open_sinks
 
     path = Path(run_dir) / "eval" / f"step_{step:06d}.json"
     if path.exists():
         print(f"step {step} already evaluated: {path}")
         return json.loads(path.read_text())
-    result = held_out_eval(model_dir, n_eval=n_eval, n_samples=n_samples, seed=seed)
-    RunLog(run_dir).write_eval(step, result)
+    result = held_out_eval(model_dir, n_eval=n_eval, n_samples=n_samples, seed=seed, eval_data=eval_data,
+                           max_grader_error_ratio=max_grader_error_ratio)
+    with open_sinks(metric_sinks or [], run_dir) as sinks:  # the training's dashboards get the eval too
+        RunLog(run_dir, sinks=sinks).write_eval(step, result)
     create_table_artifact([{"step": step, **{k: round(v, 4) if isinstance(v, float) else v
                                               for k, v in result.items()}}],
                           key=artifact_key, description=f"held-out evaluation at step {step}")

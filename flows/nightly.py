@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flows.params import PipelineParams
 from flows.rl_pipeline import rl_pipeline
@@ -25,6 +25,10 @@ RECORD = "nightly.json"
 
 
 class NightlyParams(BaseModel):
+    """Bad values fail before anything runs, naming the parameter (inputs are never echoed: see PipelineParams)."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)
+
     steps: int = Field(4, ge=1, description="GRPO steps of the validation run.")
     eval_interval: int = Field(4, ge=1)
     prompts_per_step: int = Field(32, ge=1)
@@ -35,6 +39,19 @@ class NightlyParams(BaseModel):
     s3_secret_block: str | None = None
     min_history: int = Field(3, ge=1, description="Earlier nights needed before pass@1 is judged.")
     date: str | None = Field(None, description="Night to record (YYYY-MM-DD); default: today (UTC).")
+
+    @field_validator("date")
+    @classmethod
+    def _date(cls, v: str | None) -> str | None:
+        if v:
+            try:
+                dt.date.fromisoformat(v)
+            except ValueError:
+                raise ValueError(f"date {v!r} is not a calendar date; give YYYY-MM-DD (e.g. 2025-01-31) or leave "
+                                 "it empty for today (UTC)") from None
+            if len(v) != 10:
+                raise ValueError(f"date {v!r}: give it as YYYY-MM-DD (e.g. 2025-01-31)")
+        return v
 
 
 @task(name="load-history", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

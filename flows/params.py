@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_BASE = REPO / "tests" / "assets" / "tiny-base"
 
 
 class PipelineParams(BaseModel):
-    """What one rl-pipeline run does. Field descriptions show in the Prefect UI's run form."""
+    """What one rl-pipeline run does. Field descriptions show in the Prefect UI's run form.
+
+    Bad values fail before anything runs, naming the parameter and the fix. Inputs are never echoed in
+    validation errors (hide_input_in_errors): a secret pasted into the wrong field stays out of logs."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     preset: Literal["tiny-cpu", "dsv4-flash-mi355x"] = Field(
         "tiny-cpu", description="tiny-cpu runs here end to end; dsv4-flash-mi355x plans and launches Miles on MI355X.")
@@ -41,11 +47,78 @@ class PipelineParams(BaseModel):
     s3_secret_block: str | None = Field(None, description="Prefect Secret block holding the S3 secret key "
                                                           "(the key id comes from AWS_ACCESS_KEY_ID).")
     use_ray: bool = Field(True, description="Host trainer and rollout as Ray actors (loopback-only local cluster).")
+    train_data: str = Field("", description="JSONL/parquet prompt file ({prompt, label} rows, Miles' format); "
+                                            "empty: the synthetic addition task. Bad rows are dropped and counted "
+                                            "in the report.")
+    eval_data: str = Field("", description="Held-out prompt file (its first n_eval usable rows); empty: the "
+                                           "synthetic held-out set.")
+    max_grader_error_ratio: float = Field(0.25, ge=0, le=1, description="Fraction of samples per step whose reward "
+                                          "function may fail (scored 0, counted in rollout/grader_errors) before "
+                                          "the run stops.")
+    metric_sinks: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Dashboards mirroring metrics.jsonl and eval/: tensorboard "
+                                          "(<run_dir>/tensorboard/), wandb (offline under <run_dir>/wandb/ unless "
+                                          "WANDB_MODE=online).")
 
     @field_validator("runs_root", "hf_checkpoint")
     @classmethod
     def _absolute(cls, v: str) -> str:
         return str(Path(v).expanduser().resolve()) if v else v
+
+    @field_validator("train_data", "eval_data")
+    @classmethod
+    def _data_file(cls, v: str, info) -> str:
+        if not v:
+            return v
+        path = Path(v).expanduser().resolve()
+        if path.suffix.lower() not in (".jsonl", ".json", ".parquet"):
+            raise ValueError(f"{info.field_name} {path}: unsupported file type {path.suffix!r}; give a .jsonl, .json "
+                             "or .parquet file with prompt and label columns, or leave it empty for the synthetic task")
+        if not path.is_file():
+            raise ValueError(f"{info.field_name} {path} does not exist; check the path (it is read on the machine "
+                             "that runs the flow)")
+        return str(path)
+
+    @field_validator("store_url")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if v:
+            from engines.artifact_store.paths import parse_store_url
+
+            try:
+                parse_store_url(v)
+            except ValueError as exc:
+                raise ValueError(f"store_url: {exc}") from None
+        return v
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if not v:
+            return None
+        from urllib.parse import urlsplit
+
+        if "@" in v:  # never echo it: user:secret@host (a secret with "/" in it ends urlsplit's netloc early)
+            raise ValueError("s3_endpoint_url embeds credentials (user:secret@host); give the bare endpoint and pass "
+                             "credentials through AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or s3_secret_block")
+        parts = urlsplit(v)
+        try:
+            parts.port  # noqa: B018 - raises for a non-numeric port
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+            raise ValueError("s3_endpoint_url must look like http://127.0.0.1:9000 or https://s3.example.com "
+                             "(scheme, host, optional port; no credentials, no query)")
+        return v
+
+    @field_validator("s3_secret_block")
+    @classmethod
+    def _block_name(cls, v: str | None) -> str | None:
+        if v and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,99}", v):  # never echo it: it may be the secret itself
+            raise ValueError("s3_secret_block must be the name of a Prefect Secret block (lowercase letters, digits "
+                             "and dashes, e.g. v4rl-s3), not the secret value; create the block with "
+                             "Secret(value=...).save(name)")
+        return v or None
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineParams":
@@ -78,5 +151,8 @@ class PipelineParams(BaseModel):
         # runs_root too: a cached segment only stands for training done in this very run directory
         keys = ("preset", "run_key", "runs_root", "hf_checkpoint", "steps", "prompts_per_step", "n_samples", "lr",
                 "seed")
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        fields = {k: getattr(self, k) for k in keys}
+        if self.train_data:  # only when set: fingerprints of runs on the synthetic task stay as they were
+            fields["train_data"] = self.train_data
+        blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

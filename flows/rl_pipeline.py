@@ -37,7 +37,9 @@ def _train_config(p: PipelineParams) -> dict:
     loop = LoopConfig(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=0,
                       eval_samples=p.eval_samples, seed=p.seed, dynamic_sampling=False)
     cfg = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.eval_interval, n_eval=p.n_eval,
-                         lr=p.lr, loop=loop, use_ray=p.use_ray)
+                         lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
+                         train_data=p.train_data, eval_data=p.eval_data,
+                         max_grader_error_ratio=p.max_grader_error_ratio)
     return dataclasses.asdict(cfg)
 
 
@@ -50,7 +52,8 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
                  secret_block=params.s3_secret_block)
     artifact = key.lower().replace("_", "-").replace(".", "-")
 
-    preflight(params.preset, params.seed)
+    preflight(params.preset, params.seed, hf_checkpoint=params.hf_checkpoint, train_data=params.train_data,
+              eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval)
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"))
     verify(converted["dst"], params.hf_checkpoint)
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
@@ -62,13 +65,14 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
         return {"run_dir": str(run_dir), "miles": outcome, "alignment": alignment,
                 "manifest": upload_artifacts(str(run_dir), **store).get("manifest")}
     evaluate(str(run_dir), params.hf_checkpoint, 0, params.n_eval, params.eval_samples, params.seed,
-             artifact_key=f"{artifact}-eval")
+             artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks), **_eval_data(params))
     progress = create_progress_artifact(0.0, key=f"{artifact}-training", description=f"GRPO steps of {key}")
     uploaded: dict = {}
     for until in segment_ends(params.steps, params.eval_interval):
         train_segment(str(run_dir), _train_config(params), until, params.training_fingerprint(), progress)
         evaluate(str(run_dir), str(run_dir / "weights" / "current"), until, params.n_eval, params.eval_samples,
-                 params.seed, artifact_key=f"{artifact}-eval")
+                 params.seed, artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks),
+                 **_eval_data(params))
         uploaded = upload_artifacts(str(run_dir), **store)
     report = publish_report(str(run_dir), key=f"{artifact}-report", title=f"rl-pipeline {key}",
                             extra_markdown=_alignment_markdown(alignment), links=_links(uploaded))
@@ -76,6 +80,10 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log.info("report: %s; artifacts: %s", report["report"], uploaded.get("manifest"))
     return {"run_dir": str(run_dir), "summary": report["summary"], "alignment": alignment,
             "manifest": uploaded.get("manifest")}
+
+
+def _eval_data(p: PipelineParams) -> dict:
+    return {"eval_data": p.eval_data, "max_grader_error_ratio": p.max_grader_error_ratio}
 
 
 def _alignment_markdown(alignment: dict | None) -> str:

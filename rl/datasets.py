@@ -15,7 +15,14 @@ What it does
     ``ValueError`` naming the file, row and field. ``max_prompt_chars`` drops over-long
     prompts (counted as ``too_long``; a filter, so it never raises, even when strict).
     File-level problems (missing file, unknown extension, no such column, malformed JSON
-    line) always raise with the path (and line) in the message.
+    line) always raise with the path (and line) in the message. The first few drops of each
+    reason are logged as warnings naming the file, the 0-based row and what is wrong.
+
+    ``load_encoded_prompts(path, encode, context_length=..., max_new_tokens=..., min_rows=...)``
+    is what a run uses: the same load, then each prompt tokenized with ``encode``; a prompt whose
+    tokens plus ``max_new_tokens`` exceed the model's context length is dropped as
+    ``over_context``. Fewer than ``min_rows`` usable rows (an empty file, every row bad) raise
+    :class:`DatasetError` naming the file, the counts per reason and the fix.
 
 How to run
     >>> from rl.datasets import load_prompt_dataset
@@ -31,18 +38,22 @@ on ``sys.path`` (import it as ``rl.datasets``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import datasets as hf_datasets
 
 from rl.math_task import read_jsonl
 
-__all__ = ["PromptRow", "DatasetReport", "load_prompt_dataset", "DROP_REASONS"]
+__all__ = ["PromptRow", "DatasetReport", "DatasetError", "EncodedPrompts", "load_prompt_dataset",
+           "load_encoded_prompts", "DROP_REASONS"]
+
+log = logging.getLogger(__name__)
 
 DROP_REASONS = {
     "missing_prompt": "the prompt field is missing or null",
@@ -54,6 +65,7 @@ DROP_REASONS = {
     "label_type": "the label is not a string or number",
     "empty_label": "the label is an empty string",
     "too_long": "the prompt is longer than max_prompt_chars",
+    "over_context": "the prompt's tokens plus max_new_tokens exceed the model's context length",
 }
 """Every reason a row can be dropped for, with what it means."""
 
@@ -85,11 +97,20 @@ class DatasetReport:
     def n_dropped(self) -> int:
         return sum(self.dropped.values())
 
-    def add_drop(self, reason: str, index: int) -> None:
+    def add_drop(self, reason: str, index: int, detail: str = "") -> None:
+        """Count a dropped row; the first few of each reason are kept as examples and logged."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         rows = self.examples.setdefault(reason, [])
         if len(rows) < _EXAMPLES_PER_REASON:
             rows.append(index)
+            log.warning("%s: row %d (0-based) dropped [%s]: %s", self.path, index, reason,
+                        detail or DROP_REASONS.get(reason, reason))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready counts (for events.jsonl and reports)."""
+        return {"path": self.path, "n_rows": self.n_rows, "n_kept": self.n_kept, "n_dropped": self.n_dropped,
+                "dropped": dict(sorted(self.dropped.items())),
+                "examples": {k: list(v) for k, v in sorted(self.examples.items())}}
 
     def summary(self) -> str:
         """One human-readable paragraph, e.g. for logs and Prefect artifacts."""
@@ -142,16 +163,92 @@ def load_prompt_dataset(
                     f"{source}: row {index} (0-based), field {field_name!r}: {bad.detail} "
                     f"[{bad.reason}]; fix the row, or load with strict=False to skip bad rows"
                 ) from None
-            report.add_drop(bad.reason, index)
+            report.add_drop(bad.reason, index, f"field {field_name!r}: {bad.detail}")
             continue
         if max_prompt_chars is not None:
             length = _prompt_chars(prompt_text, messages)
             if length > max_prompt_chars:
-                report.add_drop("too_long", index)
+                report.add_drop("too_long", index, f"{length} characters > max_prompt_chars={max_prompt_chars}")
                 continue
         rows.append(PromptRow(prompt_text, label, messages, index))
     report.n_kept = len(rows)
     return rows, report
+
+
+class DatasetError(ValueError):
+    """A dataset file has fewer usable rows than the run needs; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """Usable rows of a dataset file, tokenized: prompt ids, labels, file row indices, and the load report."""
+
+    prompt_ids: list[list[int]]
+    labels: list[str]
+    source_indices: list[int]
+    report: DatasetReport
+
+
+def load_encoded_prompts(
+    path: str | os.PathLike[str],
+    encode: Callable[[str], list[int]],
+    *,
+    context_length: int,
+    max_new_tokens: int,
+    min_rows: int = 1,
+    max_rows: int | None = None,
+    what: str = "dataset",
+    needed_by: str = "",
+    input_key: str = "prompt",
+    label_key: str = "label",
+) -> EncodedPrompts:
+    """Load a prompt file for a run: drop bad rows (counted per reason), tokenize, drop over-context prompts.
+
+    ``what`` names the setting the file came from (e.g. ``"train_data"``) and ``needed_by`` the setting that
+    asks for ``min_rows`` (e.g. ``"prompts_per_step=64"``); both appear in the error. ``max_rows`` keeps the
+    first that many usable rows (a held-out set of fixed size).
+    """
+    room = context_length - max_new_tokens
+    if room < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the context length "
+                         f"{context_length}; lower max_new_tokens")
+    rows, report = load_prompt_dataset(path, input_key=input_key, label_key=label_key)
+    ids: list[list[int]] = []
+    labels: list[str] = []
+    indices: list[int] = []
+    for row in rows:
+        tokens = list(encode(row.prompt_text))
+        if len(tokens) > room:
+            report.add_drop("over_context", row.source_index,
+                            f"{len(tokens)} prompt tokens + max_new_tokens={max_new_tokens} > context length "
+                            f"{context_length}")
+            continue
+        ids.append(tokens)
+        labels.append(row.label)
+        indices.append(row.source_index)
+    report.n_kept = len(ids)
+    _require_rows(report, min_rows, what, needed_by)
+    if max_rows is not None:
+        ids, labels, indices = ids[:max_rows], labels[:max_rows], indices[:max_rows]
+    return EncodedPrompts(ids, labels, indices, report)
+
+
+def _require_rows(report: DatasetReport, min_rows: int, what: str, needed_by: str) -> None:
+    if report.n_kept >= min_rows:
+        return
+    if report.n_rows == 0:
+        state = "has no rows"
+    elif report.n_kept == 0:
+        state = f"has no usable row: all {report.n_rows} were dropped"
+    else:
+        state = f"has only {report.n_kept} usable rows of {report.n_rows}"
+    reasons = "; ".join(f"{r}: {DROP_REASONS.get(r, r)}" for r in sorted(report.dropped))
+    need = f" ({needed_by})" if needed_by else ""
+    raise DatasetError(
+        f"{report.path}: {what} {state}, and the run needs at least {min_rows}{need}. {report.summary()}"
+        + (f" [{reasons}]" if reasons else "")
+        + f". Fix or remove the dropped rows, point {what} at a file with enough rows"
+        + (f", or lower {needed_by.split('=')[0]}" if needed_by else "") + ".")
 
 
 # --------------------------------------------------------------------------- file reading

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from rl.dynamic_sampling import DynamicSampler
+from rl.grading import Grader, GradingResult
 from rl.grpo import group_advantages
 from rl.passk import mean_pass_at_k
 
@@ -104,16 +105,37 @@ def segment_ends(steps: int, interval: int) -> list[int]:
 
 
 def grade_groups(groups: list[Group], decode: Callable[[list[int]], str],
-                 reward_fn: Callable[[str, str], float]) -> None:
+                 reward_fn: Callable[[str, str], float] | None = None, *, grader: Grader | None = None,
+                 where: str = "grading") -> GradingResult:
+    """Set every group's rewards; a sample whose reward function fails scores 0 and is counted (rl/grading.py)."""
+    grader = grader or Grader(_required(reward_fn))
+    texts = [decode(c.output_ids) for g in groups for c in g.completions]
+    labels = [g.label for g in groups for _ in g.completions]
+    result = grader.grade(texts, labels, where=where)
+    rewards = iter(result.rewards)
     for g in groups:
-        g.rewards = [reward_fn(decode(c.output_ids), g.label) for c in g.completions]
+        g.rewards = [next(rewards) for _ in g.completions]
+    return result
+
+
+def _required(reward_fn: Callable[[str, str], float] | None) -> Callable[[str, str], float]:
+    if reward_fn is None:
+        raise TypeError("pass reward_fn or grader")
+    return reward_fn
 
 
 def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], labels: list[str],
-                 config: LoopConfig, decode, reward_fn) -> tuple[list[Group], dict[str, float]]:
-    """Generate and grade the step's groups, refilled by dynamic sampling when enabled."""
+                 config: LoopConfig, decode, reward_fn=None,
+                 grader: Grader | None = None) -> tuple[list[Group], dict[str, float]]:
+    """Generate and grade the step's groups, refilled by dynamic sampling when enabled.
+
+    Grading goes through `grader` (or a default Grader around `reward_fn`): failed samples score 0, are
+    counted in rollout/grader_errors and rollout/grader_error_ratio, and too many stop the run (GraderFailed).
+    """
+    grader = grader or Grader(_required(reward_fn))
     n_rows = len(prompts)
     consumed = 0
+    graded = {"n": 0, "errors": 0}
 
     def generate(k: int) -> list[Group]:
         nonlocal consumed
@@ -123,7 +145,9 @@ def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], label
         outs = rollout.generate([prompts[i] for i in idx], n=config.n_samples, temperature=config.temperature,
                                 max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step * 101 + consumed)
         groups = [Group(i, prompts[i], labels[i], o) for i, o in zip(idx, outs)]
-        grade_groups(groups, decode, reward_fn)
+        result = grade_groups(groups, decode, grader=grader, where=f"step {step} (rollout)")
+        graded["n"] += result.n
+        graded["errors"] += result.errors
         return groups
 
     start = time.monotonic()
@@ -137,6 +161,8 @@ def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], label
         "rollout/raw_reward": sum(rewards) / max(1, len(rewards)),
         "rollout/response_len/mean": sum(len(c.output_ids) for c in completions) / max(1, len(completions)),
         "rollout/truncated_ratio": sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
+        "rollout/grader_errors": float(graded["errors"]),
+        "rollout/grader_error_ratio": graded["errors"] / max(1, graded["n"]),
         "perf/rollout_time": time.monotonic() - start,
         **result.metrics(),
     }
@@ -153,13 +179,18 @@ def advantages_of(groups: list[Group], normalize_std: bool = True) -> list[list[
 
 
 def evaluate(rollout: Rollout, prompts: list[list[int]], labels: list[str], *, n: int, max_new_tokens: int,
-             decode, reward_fn, seed: int) -> dict[str, Any]:
-    """Held-out pass@k (unbiased) at temperature 1 with a fixed seed, plus truncation and length."""
+             decode, reward_fn=None, seed: int, grader: Grader | None = None) -> dict[str, Any]:
+    """Held-out pass@k (unbiased) at temperature 1 with a fixed seed, plus truncation, length and grader errors
+    (a sample whose reward function fails counts as not correct; too many stop with GraderFailed)."""
+    grader = grader or Grader(_required(reward_fn))
     outs = rollout.generate(prompts, n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
-    correct = [[reward_fn(decode(c.output_ids), label) > 0 for c in group] for group, label in zip(outs, labels)]
     completions = [c for group in outs for c in group]
+    graded = grader.grade([decode(c.output_ids) for c in completions],
+                          [label for group, label in zip(outs, labels) for _ in group], where="held-out evaluation")
+    flat = iter(r > 0 for r in graded.rewards)
+    correct = [[next(flat) for _ in group] for group in outs]
     result: dict[str, Any] = {f"pass@{k}": mean_pass_at_k(correct, k) for k in (1, 2, 4, 8) if k <= n}
     result.update(truncated_ratio=sum(c.finish_reason == "length" for c in completions) / len(completions),
                   response_len=sum(len(c.output_ids) for c in completions) / len(completions),
-                  n_problems=len(prompts), n_samples=n)
+                  n_problems=len(prompts), n_samples=n, grader_errors=graded.errors)
     return result

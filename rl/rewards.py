@@ -70,6 +70,8 @@ __all__ = [
     "grade",
     "grade_batch",
     "math_reward",
+    "GraderError",
+    "strict_math_reward",
 ]
 
 MAX_ANSWER_CHARS = 256
@@ -307,6 +309,24 @@ def grade(response: str, label: str, *, literal_only: bool = False) -> Grade:
 def math_reward(response: str, label: str, *, literal_only: bool = False) -> float:
     """1.0 when the last boxed answer equals ``label``, else 0.0 (see :func:`grade`)."""
     return grade(response, label, literal_only=literal_only).reward
+
+
+class GraderError(RuntimeError):
+    """math-verify failed, or the gold label is unusable: not a wrong answer (see :func:`strict_math_reward`)."""
+
+
+def strict_math_reward(response: str, label: str, *, literal_only: bool = False) -> float:
+    """:func:`math_reward`, but a grade with reason ``error`` or ``bad_label`` raises :class:`GraderError`.
+
+    The reward path of training and evaluation uses this form with :class:`rl.grading.Grader`, which
+    scores such a sample 0, counts it in ``rollout/grader_errors`` and stops the run when too many fail:
+    a broken grader or a broken label column never trains silently on zeros. Picklable through
+    ``functools.partial(strict_math_reward, literal_only=True)`` (process-pool grading).
+    """
+    result = grade(response, label, literal_only=literal_only)
+    if result.reason in ERROR_REASONS:
+        raise GraderError(f"[{result.reason}] {result.error or 'no detail'}")
+    return result.reward
 
 
 # --------------------------------------------------------------------------- statistics

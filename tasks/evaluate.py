@@ -1,5 +1,9 @@
 """Prefect task: held-out pass@k on the rollout engine serving given weights, over real HTTP (our
-SGLang-compatible server on 127.0.0.1, exactly the client code that drives real SGLang)."""
+SGLang-compatible server on 127.0.0.1, exactly the client code that drives real SGLang).
+
+The held-out set is the synthetic one, or the first n_eval usable rows of `eval_data` (bad rows dropped and
+counted, as in training). Reward-function failures score 0, are counted in the result's `grader_errors`, and
+too many fail the task (rl/grading.py). V4RL_ROLLOUT_API_KEY, when set, protects the server as in training."""
 
 from __future__ import annotations
 
@@ -8,22 +12,36 @@ from prefect.cache_policies import NO_CACHE
 
 
 @task(name="held-out-eval", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, timeout_seconds=3 * 3600)
-def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max_new_tokens: int = 8) -> dict:
+def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max_new_tokens: int = 8,
+                  eval_data: str = "", max_grader_error_ratio: float = 0.25) -> dict:
+    import functools
+    import os
+
     from transformers import AutoTokenizer
 
     from engines.rollout.engine import RolloutEngine
     from engines.rollout.server import RolloutServer
     from engines.rollout.sglang import SGLangClient
     from engines.train.actors import HTTPRollout
+    from engines.train.run import ROLLOUT_API_KEY_ENV, load_data_file, prompt_encoder
+    from rl.grading import Grader
     from rl.loop import evaluate
     from rl.math_task import make_splits
-    from rl.rewards import math_reward
+    from rl.rewards import strict_math_reward
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    _, rows = make_splits(0, n_eval, seed)
-    prompts = [[tokenizer.bos_token_id] + tokenizer(r["prompt"], add_special_tokens=False).input_ids for r in rows]
-    with RolloutServer(RolloutEngine(model_dir)) as server, SGLangClient(server.url, timeout=600) as client:
-        return evaluate(HTTPRollout(client), prompts, [r["label"] for r in rows], n=n_samples,
-                        max_new_tokens=max_new_tokens, seed=seed + 99,
-                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                        reward_fn=lambda text, label: math_reward(text, label, literal_only=True))
+    encode = prompt_encoder(tokenizer)
+    if eval_data:
+        data = load_data_file(eval_data, encode, base=model_dir, max_new_tokens=max_new_tokens, min_rows=n_eval,
+                              max_rows=n_eval, what="eval_data", needed_by=f"n_eval={n_eval}")
+        prompts, labels = data.prompt_ids, data.labels
+    else:
+        _, rows = make_splits(0, n_eval, seed)
+        prompts, labels = [encode(r["prompt"]) for r in rows], [r["label"] for r in rows]
+    api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
+    grader = Grader(functools.partial(strict_math_reward, literal_only=True), max_error_ratio=max_grader_error_ratio)
+    with RolloutServer(RolloutEngine(model_dir), api_key=api_key) as server, \
+            SGLangClient(server.url, api_key=api_key, timeout=600) as client:
+        return evaluate(HTTPRollout(client), prompts, labels, n=n_samples, max_new_tokens=max_new_tokens,
+                        seed=seed + 99, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                        grader=grader)

@@ -82,7 +82,8 @@ def expected_torch_dist(src: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
 def megatron_load_all(ckpt: Path) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
-    from checkpoints.torch_dist import resolve_iteration_dir, single_rank_process_group
+    from checkpoints.megatron_io import single_rank_process_group
+    from checkpoints.torch_dist import resolve_iteration_dir
 
     with single_rank_process_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # megatron-core calls DCP's deprecated load_state_dict

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from checkpoints.names import native_to_megatron, placement
+from checkpoints.megatron_io import megatron_load, megatron_tensor_metadata, single_rank_process_group
 from checkpoints.torch_dist import (
     CHECKPOINTING_CONFIG,
     TORCH_DIST_DTYPES,
@@ -27,12 +28,9 @@ from checkpoints.torch_dist import (
     TorchDistReader,
     check_storage_bounds,
     mark_release,
-    megatron_load,
     megatron_specs,
-    megatron_tensor_metadata,
     read_common,
     resolve_iteration_dir,
-    single_rank_process_group,
     write_checkpointing_config,
     write_common,
     write_dcp_metadata,

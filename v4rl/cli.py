@@ -75,15 +75,24 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           eval_interval: int = typer.Option(10), n_eval: int = typer.Option(200),
           lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
+          train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
+                                                     "addition task); bad rows are dropped and counted."),
+          eval_data: Path = typer.Option(None, help="Held-out rows in the same format (default: synthetic)."),
           ray: bool = typer.Option(True, help="Host trainer and rollout as Ray actors (loopback-only local cluster "
-                                              "unless RAY_ADDRESS is set).")) -> None:
+                                              "unless RAY_ADDRESS is set)."),
+          tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write metrics and evals as "
+                                                                        "TensorBoard scalars to OUT/tensorboard/."),
+          wandb: bool = typer.Option(False, "--wandb", help="Also log metrics and evals to W&B: offline under "
+                                                            "OUT/wandb/ unless WANDB_MODE=online.")) -> None:
     """GRPO + TIS on the embedded engines (rollout server over HTTP, transformers trainer), resumable."""
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
 
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
     config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
+                            metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
                             loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                             eval_interval=eval_interval, seed=seed, dynamic_sampling=dynamic_sampling))
     try:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from checkpoints.names import megatron_to_native
-from checkpoints.torch_dist import (Box, hf_config_of, megatron_load, megatron_specs, megatron_tensor_metadata,
-                                    resolve_iteration_dir)
+from checkpoints.megatron_io import megatron_load, megatron_tensor_metadata
+from checkpoints.torch_dist import Box, hf_config_of, megatron_specs, resolve_iteration_dir
 from engines.model import DeepseekV4, ModelConfig
 
 HELD_OUT_PROBLEMS = 200

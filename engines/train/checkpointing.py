@@ -9,28 +9,53 @@
 The torch_dist part holds the model in BF16 as Megatron does; the fp32 master copy lives beside the
 optimizer state (as in Megatron's distributed optimizer), so a resumed run continues bit for bit.
 
-An iteration is built in a hidden temporary directory and renamed when complete; the iteration file is
-rewritten only after that, so a kill at any moment leaves either the previous checkpoint or the new one.
+An iteration is built in a hidden temporary directory (ROOT/.iter_0000020.partial-XXXXXXXX), every file
+fsynced, and renamed when complete; the iteration file is rewritten only after that, so a kill or a power
+loss at any moment leaves either the previous checkpoint or the new one. A save that fails (a full disk, a
+permission error) raises CheckpointWriteError naming the step, the iteration directory and the cause, and
+removes its partial directory; partial directories left by a killed process are removed by the next save.
 Weights are read back through megatron-core's `dist_checkpointing.load`.
+
+Fault injection (tests only): V4RL_FAULT_CHECKPOINT_WRITE="STEP[:BYTES]" makes the save of iteration STEP
+fail with OSError(ENOSPC) once BYTES (default 1 MiB) of trainer_state.pt are on disk, after the torch_dist
+files were written, as a disk filling up mid-save does. Read at every save, in whichever process saves (a
+Ray trainer actor inherits it from the driver that started the local cluster).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from checkpoints.names import megatron_to_native, placement
-from checkpoints.torch_dist import (ITERATION_FILE, Box, ChunkFileWriter, TorchDistError, megatron_load,
-                                    megatron_specs, write_checkpointing_config, write_common, write_dcp_metadata)
+from checkpoints.megatron_io import megatron_load
+from checkpoints.torch_dist import (
+    ITERATION_FILE,
+    Box,
+    ChunkFileWriter,
+    TorchDistError,
+    megatron_specs,
+    write_checkpointing_config,
+    write_common,
+    write_dcp_metadata,
+)
 from engines.model.config import ModelConfig
 from engines.model.params import native_param_specs
 
 TRAINER_STATE = "trainer_state.pt"
 KEEP_LAST = 3
+FAULT_ENV = "V4RL_FAULT_CHECKPOINT_WRITE"
+PARTIAL_INFIX = ".partial-"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A training checkpoint could not be written; nothing of it was committed."""
 
 
 def iteration_dir(root: Path, step: int) -> Path:
@@ -55,12 +80,14 @@ def latest_step(root: str | Path) -> int | None:
 
 def save_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig, native: dict[str, torch.Tensor], *,
                              trainer_state: dict, rng: torch.Tensor, extra: dict) -> Path:
+    """Write iteration `step` (see the module doc); raises CheckpointWriteError when any write fails."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = iteration_dir(root, step)
-    tmp = root / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = root / f".{final.name}{PARTIAL_INFIX}{uuid.uuid4().hex[:8]}"
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_partials(root)
+        tmp.mkdir()
         specs = megatron_specs(cfg)
         dtypes = {name: specs[placement(name, spec.shape, "megatron", cfg.n_routed_experts).name].dtype
                   for name, spec in native_param_specs(cfg).items()}
@@ -72,21 +99,128 @@ def save_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig, nati
         write_dcp_metadata(tmp, writer.records, specs)
         write_common(tmp, cfg, hf_config=cfg.to_hf_dict(), iteration=step)
         master = {k: v.detach().clone() for k, v in native.items()}
-        torch.save({"trainer": trainer_state, "master": master, "rng": rng, "extra": extra, "step": step},
-                   tmp / TRAINER_STATE)
+        _save_synced({"trainer": trainer_state, "master": master, "rng": rng, "extra": extra, "step": step},
+                     tmp / TRAINER_STATE, fault_limit=_injected_fault(step))
         write_checkpointing_config(tmp)
+        _fsync_dir(tmp)
         if final.exists():  # a re-save of the same step (a retried segment): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
+        _fsync_dir(root)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception):
+            raise CheckpointWriteError(
+                f"writing the training checkpoint of step {step} to {final} failed: {_cause(exc)}. The partial "
+                f"write was removed; {_committed(root)}{_hint(exc)}") from exc
         raise
-    marker_tmp = root / f".{ITERATION_FILE}.tmp"
-    marker_tmp.write_text(str(step))
-    os.replace(marker_tmp, root / ITERATION_FILE)
+    try:
+        _atomic_write_synced(root / ITERATION_FILE, str(step))
+        _fsync_dir(root)
+    except Exception as exc:
+        raise CheckpointWriteError(
+            f"iteration {step} is complete in {final} but committing it in {root / ITERATION_FILE} failed: "
+            f"{_cause(exc)}; {_committed(root)} (and writes step {step} again){_hint(exc)}") from exc
     for old in sorted(root.glob("iter_*"))[:-KEEP_LAST]:
         shutil.rmtree(old)
     return final
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _hint(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return "; free space on (or fix permissions of) the checkpoint filesystem, then rerun"
+    return ""
+
+
+def _committed(root: Path) -> str:
+    """Where a rerun resumes, in words, for error messages (never raises)."""
+    marker = root / ITERATION_FILE
+    try:
+        text = marker.read_text().strip()
+    except OSError:
+        return f"{marker} does not exist (no earlier checkpoint), so a rerun starts from step 0"
+    return f"{marker} still names step {text}, so a rerun resumes from there"
+
+
+def _remove_partials(root: Path) -> None:
+    """Partial iteration directories left by a process killed mid-save (never committed, never read)."""
+    for stale in root.glob(f".iter_*{PARTIAL_INFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_synced(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _injected_fault(step: int) -> int | None:
+    """Bytes of trainer_state.pt after which the save of `step` fails (V4RL_FAULT_CHECKPOINT_WRITE), or None."""
+    spec = os.environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return None
+    at, _, limit = spec.partition(":")
+    if not at.isdigit() or (limit and not limit.isdigit()):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected STEP or STEP:BYTES (e.g. 4 or 4:65536)")
+    return (int(limit) if limit else 1 << 20) if int(at) == step else None
+
+
+class _StateFile:
+    """What torch.save writes trainer_state.pt through: keeps the OSError behind a failed write (torch.save
+    reports it as "unexpected pos ...") and, under fault injection, fails like a full disk past `limit` bytes."""
+
+    def __init__(self, f: Any, path: Path, limit: int | None) -> None:
+        self.f, self.path, self.limit, self.error = f, path, limit, None
+        self.written = 0
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data).cast("B")
+            if self.limit is not None and self.written + len(view) > self.limit:
+                room = self.limit - self.written
+                self.f.write(view[:room])
+                self.f.flush()
+                self.written += room
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {FAULT_ENV})", str(self.path))
+            n = self.f.write(data)
+            self.written += n
+            return n
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_synced(obj: dict, path: Path, *, fault_limit: int | None = None) -> None:
+    with open(path, "wb") as f:
+        sink = _StateFile(f, path, fault_limit)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError:
+            if sink.error is not None:  # the OS error is the cause; torch's "unexpected pos" only follows from it
+                raise sink.error from None
+            raise
+        if sink.error is not None:  # torch swallowed it
+            raise sink.error
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig) -> dict:
@@ -95,10 +229,48 @@ def load_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig) -> d
     d = iteration_dir(Path(root), step)
     specs = megatron_specs(cfg)
     boxes = [Box(key, (0,) * len(spec.shape), spec.shape) for key, spec in specs.items()]
-    tensors = megatron_load(d, boxes, specs)
+    try:  # a corrupt file names itself (and the tensor) and says how to resume from an earlier iteration
+        state = read_trainer_state(d / TRAINER_STATE, step, cfg)
+        tensors = megatron_load(d, boxes, specs)
+    except TorchDistError as exc:
+        raise TorchDistError(f"{exc}. {_earlier_iterations_hint(Path(root), step)}") from exc
     megatron_state = {b.key: t for b, t in zip(boxes, tensors)}
     weights = {k: (v.float() if v.is_floating_point() else v) for k, v in megatron_to_native(megatron_state, cfg).items()}
-    state = torch.load(d / TRAINER_STATE, weights_only=True)
-    if state["step"] != step:
-        raise TorchDistError(f"{d / TRAINER_STATE} belongs to step {state['step']}, not {step}")
     return {"weights": weights, **state}
+
+
+TRAINER_STATE_KEYS = ("trainer", "master", "rng", "extra", "step")
+
+
+def read_trainer_state(path: Path, step: int, cfg: ModelConfig) -> dict:
+    """trainer_state.pt of iteration `step`, checked: readable, all keys, the right step, every master tensor."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise TorchDistError(f"{path} is missing: iteration {step} is incomplete") from None
+    except Exception as exc:  # noqa: BLE001 - truncation and garbage raise RuntimeError, UnpicklingError, KeyError...
+        message = " ".join(str(exc).split())[:200]
+        raise TorchDistError(f"{path}: cannot read the trainer state ({type(exc).__name__}: {message}); the file "
+                             "is truncated or corrupt") from exc
+    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise TorchDistError(f"{path} lacks {missing}: not a v4rl trainer state (or a corrupt one)")
+    if state["step"] != step:
+        raise TorchDistError(f"{path} belongs to step {state['step']}, not {step}")
+    absent = [name for name in native_param_specs(cfg) if name not in state["master"]]
+    if absent:
+        raise TorchDistError(f"{path}: master weight {absent[0]!r} is missing ({len(absent)} tensors in all); "
+                             "the file is corrupt or was written for another model config")
+    return state
+
+
+def _earlier_iterations_hint(root: Path, step: int) -> str:
+    """How to get going again when iteration `step` cannot be read (for error messages)."""
+    earlier = sorted(int(p.name[len("iter_"):]) for p in root.glob("iter_*")
+                     if p.name[len("iter_"):].isdigit() and int(p.name[len("iter_"):]) < step
+                     and (p / "metadata.json").is_file())
+    restart = f"or delete {root} to restart the run from step 0"
+    if not earlier:
+        return f"No earlier checkpoint is kept: restore {iteration_dir(root, step)} from a copy, {restart}"
+    return (f"To resume from the earlier checkpoint of step {earlier[-1]}, write {earlier[-1]} into "
+            f"{root / ITERATION_FILE} (kept: steps {', '.join(map(str, earlier))}), {restart}")

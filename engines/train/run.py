@@ -12,6 +12,8 @@ step K so a caller (the Prefect flow) can run a long job as retryable segments.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,11 +24,19 @@ from engines.rollout.sglang import SGLangClient, SGLangTimeout
 from engines.train.cluster import RemoteCallTimeout
 from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
 from engines.train.runlog import RunLog
+from engines.train.sinks import check_sink_names, open_sinks
+from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
-OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action")
+OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
+                      "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
+DATA_FIELDS = ("train_data", "eval_data")
+"""Left out of config.json while empty, so runs written before these fields existed resume unchanged."""
+ROLLOUT_API_KEY_ENV = "V4RL_ROLLOUT_API_KEY"
+"""When set, the run's rollout server requires this key (SGLang's --api-key semantics) and the client sends it;
+it is read from the environment only, never written to config.json, metrics, events or logs."""
 
 
 @dataclass(kw_only=True)
@@ -53,6 +63,19 @@ class TrainRunConfig:
     call_timeout_s: float = 900.0
     """Timeout of every remote call (a step, an export, a weight update); a step that exceeds it fails with
     the thread stacks of the trainer and rollout processes in <run_dir>/hangs/ (a retry resumes)."""
+    train_data: str = ""
+    """JSONL/parquet prompt file ({"prompt", "label"} rows, Miles' format); empty: the synthetic addition task.
+    Bad rows (missing label, non-string prompt, prompt over the context length, ...) are dropped and counted
+    in events.jsonl and the report; fewer usable rows than prompts_per_step is an error naming the file."""
+    eval_data: str = ""
+    """Held-out prompt file (the first n_eval usable rows); empty: the synthetic held-out set."""
+    max_grader_error_ratio: float = 0.25
+    """Fraction of samples per step whose reward function may fail (scored 0, counted in rollout/grader_errors)
+    before the run stops with GraderFailed."""
+    grader_workers: int = 0
+    """Grade in a pool of this many workers (0: in the driver thread)."""
+    grader_pool: str = "thread"
+    """thread or process (spawned workers; the reward function must be picklable)."""
     mismatch_threshold: float = 0.09
     """Mean train/rollout |Δlogprob| per step over which a step counts against the mismatch budget."""
     mismatch_steps: int = 3
@@ -60,18 +83,88 @@ class TrainRunConfig:
     mismatch_action: str = "alert"
     """alert (record in events.jsonl and the report), stop (fail the run), or rollback (reload the last
     checkpoint once, then stop)."""
+    metric_sinks: list[str] = field(default_factory=list)
+    """Dashboards mirroring metrics.jsonl and eval/ (always written): "tensorboard" (<run_dir>/tensorboard/)
+    and/or "wandb" (offline under <run_dir>/wandb/ unless WANDB_MODE=online); see engines/train/sinks.py.
+    Any other name is a ValueError listing the allowed ones; a resumed run may change the list."""
+
+    def __post_init__(self) -> None:
+        self.metric_sinks = check_sink_names(self.metric_sinks)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for name in DATA_FIELDS:
+            if not out[name]:
+                del out[name]
+        return out
 
 
-def _task_data(config: TrainRunConfig, tokenizer):
+def _task_data(config: TrainRunConfig, tokenizer, run_dir: Path, log: Callable[[str], None]):
+    """(train prompt ids, train labels, eval prompt ids, eval labels): the synthetic task, with the training or
+    held-out set replaced by config.train_data / config.eval_data when given (see load_data_file)."""
     from rl.math_task import make_splits
 
     train_rows, eval_rows = make_splits(config.n_train, config.n_eval, config.loop.seed)
-    encode = lambda text: [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    return ([encode(r["prompt"]) for r in train_rows], [r["label"] for r in train_rows],
-            [encode(r["prompt"]) for r in eval_rows], [r["label"] for r in eval_rows])
+    encode = prompt_encoder(tokenizer)
+    data = [[encode(r["prompt"]) for r in train_rows], [r["label"] for r in train_rows],
+            [encode(r["prompt"]) for r in eval_rows], [r["label"] for r in eval_rows]]
+    files = (("train_data", config.train_data, config.loop.prompts_per_step, None, "prompts_per_step"),
+             ("eval_data", config.eval_data, config.n_eval, config.n_eval, "n_eval"))
+    for slot, (what, path, needed, keep, setting) in enumerate(files):
+        if path:
+            loaded = load_data_file(path, encode, base=config.base, max_new_tokens=config.loop.max_new_tokens,
+                                    min_rows=needed, max_rows=keep, what=what, needed_by=f"{setting}={needed}")
+            data[2 * slot], data[2 * slot + 1] = loaded.prompt_ids, loaded.labels
+            record_dataset(run_dir, what, loaded.report, log)
+    return tuple(data)
+
+
+def prompt_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """BOS + the prompt's tokens: how every prompt of a run reaches the rollout engine."""
+    return lambda text: [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids
+
+
+def load_data_file(path: str, encode: Callable[[str], list[int]], *, base: str, max_new_tokens: int, min_rows: int,
+                   max_rows: int | None = None, what: str = "dataset", needed_by: str = ""):
+    """A prompt file tokenized for the model in `base`: rows with a bad prompt or label, or a prompt that leaves no
+    room for max_new_tokens in the model's context length, are dropped and counted (rl/datasets.py)."""
+    from checkpoints.hf import read_config
+    from rl.datasets import load_encoded_prompts
+
+    context = read_config(base)[0].max_position_embeddings
+    return load_encoded_prompts(path, encode, context_length=context, max_new_tokens=max_new_tokens,
+                                min_rows=min_rows, max_rows=max_rows, what=what, needed_by=needed_by)
+
+
+def record_dataset(run_dir: Path, what: str, report, log: Callable[[str], None]) -> None:
+    """Log a data file's kept/dropped counts and record them once in events.jsonl (the report lists events)."""
+    message = f"{what}: {report.summary()}"
+    log(message)
+    event = {"step": 0, "action": "data", "what": what, **report.to_dict(), "message": message}
+    path = Path(run_dir) / "events.jsonl"
+    seen = path.read_text().splitlines() if path.exists() else []
+    if not any(json.loads(line).get("message") == message for line in seen if line.strip()):
+        append_event(Path(run_dir), event)
+
+
+def _graded_step(step: int, run_dir: Path, **kwargs):
+    """rl.loop.rollout_step; a step stopped by too many reward-function failures is recorded in events.jsonl."""
+    try:
+        return rollout_step(step, **kwargs)
+    except GraderFailed as exc:
+        append_event(run_dir, {"step": step, "action": "stop", "message": str(exc)})
+        raise
+
+
+def _grader_events(run_dir: Path, grader, reported: set[str], step: int, metrics: dict) -> None:
+    """One event per new kind of reward-function failure (type and first message), for events.jsonl and the report."""
+    for kind, error in grader.first_error_by_type.items():
+        if kind not in reported:
+            reported.add(kind)
+            message = (f"the reward function failed ({error}); failed samples score 0 and are counted in "
+                       "rollout/grader_errors")
+            append_event(run_dir, {"step": step, "action": "grader_error",
+                                   "value": metrics.get("rollout/grader_errors"), "message": message})
 
 
 def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | None = None,
@@ -80,15 +173,20 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     from transformers import AutoTokenizer
 
     from engines.train.actors import HTTPRollout
-    from rl.rewards import math_reward
+    from rl.rewards import strict_math_reward
 
-    runlog = RunLog(run_dir)
+    # The sinks start on their first row, inside the `with` below that closes them (also on failure)
+    runlog = RunLog(run_dir, sinks=open_sinks(config.metric_sinks, run_dir, config=config.to_dict()))
     runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
     last = min(until or config.steps, config.steps)
     tokenizer = AutoTokenizer.from_pretrained(config.base)
-    prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer)
+    prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer, Path(run_dir), log)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    reward = lambda text, label: math_reward(text, label, literal_only=True)  # noqa: E731
+    grader = Grader(functools.partial(strict_math_reward, literal_only=True),
+                    max_error_ratio=config.max_grader_error_ratio, workers=config.grader_workers,
+                    pool=config.grader_pool)  # type: ignore[arg-type]
+    reported_grader_errors: set[str] = set()
+    api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
                         trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
                                         "recompute": config.recompute,
@@ -97,10 +195,10 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                                      "dynamic_sampling": config.loop.dynamic_sampling},
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir))
-    workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving)})
-    with workers as (trainer, rollout_url, call):
-        client = SGLangClient(rollout_url, timeout=config.call_timeout_s, generate_timeout=config.call_timeout_s,
-                              update_timeout=config.call_timeout_s)
+    workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})
+    with runlog.sinks, grader, workers as (trainer, rollout_url, call):
+        client = SGLangClient(rollout_url, api_key=api_key, timeout=config.call_timeout_s,
+                              generate_timeout=config.call_timeout_s, update_timeout=config.call_timeout_s)
         rollout = HTTPRollout(client)
         resumed = call(trainer.resume, "resuming the trainer")
         start = resumed["step"]
@@ -112,14 +210,15 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
         if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:
             runlog.write_eval(0, evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
                                           max_new_tokens=config.loop.max_new_tokens, decode=decode,
-                                          reward_fn=reward, seed=config.loop.seed + 99))
+                                          grader=grader, seed=config.loop.seed + 99))
         budget = MismatchBudget(config.mismatch_threshold, config.mismatch_steps, config.mismatch_action)
         step = start + 1
         while step <= last:
             t0 = time.monotonic()
             try:
-                groups, metrics = rollout_step(step, rollout=rollout, prompts=prompts, labels=labels,
-                                               config=config.loop, decode=decode, reward_fn=reward)
+                groups, metrics = _graded_step(step, Path(run_dir), rollout=rollout, prompts=prompts, labels=labels,
+                                               config=config.loop, decode=decode, grader=grader)
+                _grader_events(Path(run_dir), grader, reported_grader_errors, step, metrics)
                 t1 = time.monotonic()
                 metrics.update(call(trainer.train_step, "a GRPO step", groups,
                                     advantages_of(groups, config.loop.normalize_std)))
@@ -134,7 +233,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
             runlog.append_metrics(step, metrics)
             if should_run(step, config.loop.eval_interval, config.steps):
                 result = evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
-                                  max_new_tokens=config.loop.max_new_tokens, decode=decode, reward_fn=reward,
+                                  max_new_tokens=config.loop.max_new_tokens, decode=decode, grader=grader,
                                   seed=config.loop.seed + 99)
                 runlog.write_eval(step, result)
                 metrics.update({f"eval/math/{k}": v for k, v in result.items() if k.startswith("pass@")})

@@ -1,0 +1,182 @@
+"""Grade many samples with a reward function that may fail, without ever training silently on zeros.
+
+What it does
+    ``Grader(reward_fn).grade(responses, labels, where="step 3")`` calls ``reward_fn(response, label)``
+    for every pair. A call that raises (or returns NaN/inf, or something that is not a number) scores
+    0.0 for that sample and is counted; the first failure of each exception type is logged once (type
+    and message, with where it happened). When the fraction of failed samples in one call exceeds
+    ``max_error_ratio`` the call raises :class:`GraderFailed` naming where, how many failed, the first
+    failure and the fix, so a broken grader stops the run instead of feeding it zero rewards.
+
+    ``workers > 0`` grades in a thread pool (``pool="thread"``) or a process pool (``pool="process"``,
+    spawn start method; ``reward_fn`` must then be picklable: a module-level function or a
+    ``functools.partial`` of one). The exception is caught inside the worker and only
+    ``(reward, error text)`` crosses the pool, so counts, rewards and the stop rule are the same in
+    every mode. Metrics follow DESIGN.md: ``rollout/grader_errors`` (failed samples in the step) and
+    ``rollout/grader_error_ratio``.
+
+How to run
+    >>> from rl.grading import Grader
+    >>> with Grader(lambda text, label: float(text == label), max_error_ratio=0.5) as grader:
+    ...     result = grader.grade(["1", "2"], ["1", "1"], where="example")
+    >>> result.rewards, result.errors
+    ([1.0, 0.0], 0)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["Grader", "GraderFailed", "GradingResult", "DEFAULT_MAX_ERROR_RATIO"]
+
+DEFAULT_MAX_ERROR_RATIO = 0.25
+"""Largest fraction of samples in one grading call whose reward function may fail before the run stops."""
+
+log = logging.getLogger(__name__)
+
+
+class GraderFailed(ValueError):
+    """Too many samples of one grading call failed in the reward function (a ValueError: a retry of the same
+    step cannot fix a broken grader)."""
+
+
+@dataclass(frozen=True)
+class GradingResult:
+    """Rewards in input order (0.0 where the reward function failed) and the failure counts of one call."""
+
+    rewards: list[float]
+    errors: int
+    first_error: str | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def error_ratio(self) -> float:
+        return self.errors / self.n if self.n else 0.0
+
+
+def _describe(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    if len(message) > 300:
+        message = message[:300] + "..."
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _grade_one(reward_fn: Callable[[str, str], float], response: str, label: str) -> tuple[float, str | None]:
+    """One sample, never raising: (reward, None) or (0.0, "ExceptionType: message")."""
+    try:
+        raw = reward_fn(response, label)
+    except Exception as exc:  # noqa: BLE001 - a failing grader is counted and reported, not fatal per sample
+        return 0.0, _describe(exc)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return 0.0, f"TypeError: the reward function returned {type(raw).__name__} {raw!r:.60}, not a number"
+    value = float(raw)
+    if not math.isfinite(value):
+        return 0.0, f"ValueError: the reward function returned {value}"
+    return value, None
+
+
+def _grade_chunk(reward_fn: Callable[[str, str], float],
+                 pairs: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+    return [_grade_one(reward_fn, response, label) for response, label in pairs]
+
+
+@dataclass
+class Grader:
+    """Counts, logs and caps reward-function failures; optionally grades in a thread or process pool."""
+
+    reward_fn: Callable[[str, str], float]
+    max_error_ratio: float = DEFAULT_MAX_ERROR_RATIO
+    """A grading call in which a larger fraction of samples fail raises GraderFailed (0 tolerates none,
+    1.0 never stops)."""
+    workers: int = 0
+    """0: grade in the calling thread; N: grade in a pool of N workers."""
+    pool: Literal["thread", "process"] = "thread"
+    total: int = 0
+    total_errors: int = 0
+    first_error_by_type: dict[str, str] = field(default_factory=dict)
+    """The first failure message of each exception type, in the order they appeared."""
+    _executor: Executor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_error_ratio <= 1.0:
+            raise ValueError(f"max_grader_error_ratio={self.max_error_ratio} must lie in [0, 1]: the fraction of "
+                             "samples per step whose reward function may fail before the run stops")
+        if self.workers < 0:
+            raise ValueError(f"grader_workers={self.workers} must be >= 0 (0 grades in the calling thread)")
+        if self.pool not in ("thread", "process"):
+            raise ValueError(f"grader_pool={self.pool!r} must be 'thread' or 'process'")
+
+    # -- grading ----------------------------------------------------------------------------------------
+
+    def grade(self, responses: Sequence[str], labels: Sequence[str], *, where: str) -> GradingResult:
+        """Rewards for ``responses[i]`` against ``labels[i]``; raises GraderFailed over the cap (see module doc)."""
+        if len(responses) != len(labels):
+            raise ValueError(f"{where}: {len(responses)} responses but {len(labels)} labels; pass one label per "
+                             "response (repeat a prompt's label for each of its samples)")
+        outcomes = self._run(list(zip(responses, labels)))
+        failures = [error for _, error in outcomes if error is not None]
+        result = GradingResult([reward for reward, _ in outcomes], len(failures), failures[0] if failures else None)
+        self.total += result.n
+        self.total_errors += result.errors
+        self._log_new_types(failures, result, where)
+        self.check(result, where=where)
+        return result
+
+    def check(self, result: GradingResult, *, where: str) -> None:
+        """Raise GraderFailed when ``result``'s failure fraction exceeds ``max_error_ratio``."""
+        if result.errors and result.error_ratio > self.max_error_ratio:
+            raise GraderFailed(
+                f"{where}: the reward function failed on {result.errors} of {result.n} samples "
+                f"({result.error_ratio:.0%}, over max_grader_error_ratio {self.max_error_ratio:.0%}); first failure: "
+                f"{result.first_error}. Fix the reward function (or the labels it rejects), or raise "
+                "max_grader_error_ratio to tolerate failures (failed samples score 0)")
+
+    def _log_new_types(self, failures: list[str], result: GradingResult, where: str) -> None:
+        for error in failures:
+            kind = error.split(":", 1)[0]
+            if kind in self.first_error_by_type:
+                continue
+            self.first_error_by_type[kind] = error
+            log.warning("%s: the reward function raised %s (%d of %d samples failed in this call; they score 0 "
+                        "and are counted in rollout/grader_errors); further %s failures are counted, not logged",
+                        where, error, result.errors, result.n, kind)
+
+    # -- execution --------------------------------------------------------------------------------------
+
+    def _run(self, pairs: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+        if self.workers == 0 or len(pairs) <= 1:
+            return _grade_chunk(self.reward_fn, pairs)
+        executor = self._pool()
+        size = max(1, math.ceil(len(pairs) / (self.workers * 4)))
+        chunks = [pairs[i:i + size] for i in range(0, len(pairs), size)]
+        futures = [executor.submit(_grade_chunk, self.reward_fn, chunk) for chunk in chunks]
+        return [outcome for future in futures for outcome in future.result()]
+
+    def _pool(self) -> Executor:
+        if self._executor is None:
+            if self.pool == "process":
+                self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            else:
+                self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="v4rl-grader")
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the pool's workers (a no-op without a pool)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> Grader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
