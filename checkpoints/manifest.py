@@ -149,7 +149,7 @@ class AtomicOutput:
             f.flush()
             os.fsync(f.fileno())
         for d in sorted({p.parent for p in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: -len(p.parts)):
-            _fsync_dir(d)
+            fsync_dir(d)
         if self.dst.exists():  # only with force: swap, then drop the old one
             old = self.dst.parent / f".{self.dst.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(self.dst, old)
@@ -157,7 +157,7 @@ class AtomicOutput:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.tmp, self.dst)
-        _fsync_dir(self.dst.parent)
+        fsync_dir(self.dst.parent)
         self._committed = True
 
     def __exit__(self, *exc: object) -> None:
@@ -181,7 +181,8 @@ def remove_stale_partials(dst: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename or new entry in it survives a power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -249,7 +249,7 @@ def write_dcp_metadata(ckpt_dir: Path, records: Iterable[ChunkRecord], specs: Ma
                                                                      length=r.length)
     md = Metadata(state_dict_metadata=state_md, planner_data={k: (k,) for k in state_md}, storage_data=storage,
                   storage_meta=StorageMeta(checkpoint_id=None, save_id=uuid.uuid4().hex), version="1.0.0")
-    _atomic_write_bytes(Path(ckpt_dir) / DCP_METADATA_FILE, pickle.dumps(md))
+    atomic_write_bytes(Path(ckpt_dir) / DCP_METADATA_FILE, pickle.dumps(md))
 
 
 def _check_tiling(key: str, spec: TensorSpec, chunks: list[ChunkRecord]) -> None:
@@ -317,20 +317,21 @@ def write_common(ckpt_dir: Path, cfg: ModelConfig, *, hf_config: Mapping[str, An
               "v4rl": {"format_version": 1, "hf_config": dict(hf_config), **dict(extra or {})}}
     buf = io.BytesIO()
     torch.save(common, buf)
-    _atomic_write_bytes(Path(ckpt_dir) / COMMON_FILE, buf.getvalue())
+    atomic_write_bytes(Path(ckpt_dir) / COMMON_FILE, buf.getvalue())
 
 
 def write_checkpointing_config(ckpt_dir: Path) -> None:
     """Write `metadata.json`, Megatron's "this save is complete" marker (write it after everything else)."""
-    _atomic_write_bytes(Path(ckpt_dir) / CONFIG_FILE, json.dumps(CHECKPOINTING_CONFIG).encode())
+    atomic_write_bytes(Path(ckpt_dir) / CONFIG_FILE, json.dumps(CHECKPOINTING_CONFIG).encode())
 
 
 def mark_release(root: Path) -> None:
     """Write `latest_checkpointed_iteration.txt` = "release" at the checkpoint root."""
-    _atomic_write_bytes(Path(root) / ITERATION_FILE, b"release")
+    atomic_write_bytes(Path(root) / ITERATION_FILE, b"release")
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to PATH.tmp, fsync, rename over path: readers see the old bytes or the new ones."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)

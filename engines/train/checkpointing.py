@@ -33,13 +33,15 @@ from typing import Any
 
 import torch
 
-from checkpoints.names import megatron_to_native, placement
+from checkpoints.manifest import fsync_dir
 from checkpoints.megatron_io import megatron_load
+from checkpoints.names import megatron_to_native, placement
 from checkpoints.torch_dist import (
     ITERATION_FILE,
     Box,
     ChunkFileWriter,
     TorchDistError,
+    atomic_write_bytes,
     megatron_specs,
     write_checkpointing_config,
     write_common,
@@ -102,11 +104,11 @@ def save_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig, nati
         _save_synced({"trainer": trainer_state, "master": master, "rng": rng, "extra": extra, "step": step},
                      tmp / TRAINER_STATE, fault_limit=_injected_fault(step))
         write_checkpointing_config(tmp)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a re-save of the same step (a retried segment): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception):
@@ -115,8 +117,8 @@ def save_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig, nati
                 f"write was removed; {_committed(root)}{_hint(exc)}") from exc
         raise
     try:
-        _atomic_write_synced(root / ITERATION_FILE, str(step))
-        _fsync_dir(root)
+        atomic_write_bytes(root / ITERATION_FILE, str(step).encode())
+        fsync_dir(root)
     except Exception as exc:
         raise CheckpointWriteError(
             f"iteration {step} is complete in {final} but committing it in {root / ITERATION_FILE} failed: "
@@ -150,23 +152,6 @@ def _remove_partials(root: Path) -> None:
     """Partial iteration directories left by a process killed mid-save (never committed, never read)."""
     for stale in root.glob(f".iter_*{PARTIAL_INFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_synced(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _injected_fault(step: int) -> int | None:
