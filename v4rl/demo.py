@@ -51,8 +51,17 @@ def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 
         return 0
     finally:
         if server is not None:
+            _flush_prefect_workers()  # while the server still answers; at exit they would find it gone
             server.terminate()
             server.wait(timeout=30)
+
+
+def _flush_prefect_workers() -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all()
 
 
 def _base_checkpoint(workdir: Path, seed: int, fresh: bool, console: Console) -> Path:
