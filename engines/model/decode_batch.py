@@ -107,7 +107,7 @@ class DecodeBatch:
                             setattr(slots, name, t[index])
 
     def extend(self, other: "DecodeBatch") -> None:
-        """Append other's rows after ours (other is consumed: its tensors may be shared afterwards)."""
+        """Append other's rows after ours (copies; entry buffers are padded to the larger capacity first)."""
         self.positions = torch.cat([self.positions, other.positions])
         for mine, theirs in zip(self.layers, other.layers):
             mine.window = torch.cat([mine.window, theirs.window])
@@ -126,8 +126,8 @@ def _left_pad(rows: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(rows, (0, 0, length - rows.shape[0], 0))
 
 
-def _right_pad(rows: torch.Tensor, length: int, value: float = 0.0) -> torch.Tensor:
-    return F.pad(rows, (0, 0, 0, length - rows.shape[0]), value=value)
+def _right_pad(rows: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(rows, (0, 0, 0, length - rows.shape[0]))
 
 
 def _stack_states(states: list[CompressorState], cap: int) -> CompressorSlots:

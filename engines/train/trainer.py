@@ -142,6 +142,12 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+def _token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, R, V] predicting targets [B, R] -> (logprob of each target, entropy of each distribution)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
 class Trainer:
     def __init__(self, model, cfg: ModelConfig, config: TrainerConfig) -> None:
         self.model = model.float().train()
@@ -200,10 +206,7 @@ class Trainer:
             cache.reorder_cache(expand)
             continued = self._call_model(responses, past_key_values=cache, use_cache=True)
         logits = torch.cat([prefix.logits[:, -1:][expand], continued.logits[:, :-1]], dim=1)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [rows, R_max, V]
-        token_lp = logp.gather(-1, responses[..., None])[..., 0]
-        entropy = -(logp.exp() * logp).sum(-1)
-        return token_lp, entropy, mask
+        return (*_token_logprobs_and_entropy(logits, responses), mask)
 
     def _micro_batches(self, seqs: list[tuple[list[int], list[int]]]):
         """(sample indices in row order, forward) per micro-batch, skipping samples without response tokens."""
@@ -231,11 +234,7 @@ class Trainer:
         with self._autocast():
             out = self._call_model(ids)
         rows = torch.arange(len(seqs))[:, None]
-        logp = torch.log_softmax(out.logits[rows, pos].float(), dim=-1)  # [B, R_max, V]
-        targets = ids[rows, pos + 1]
-        token_lp = logp.gather(-1, targets[..., None])[..., 0]
-        entropy = -(logp.exp() * logp).sum(-1)
-        return token_lp, entropy, mask
+        return (*_token_logprobs_and_entropy(out.logits[rows, pos], ids[rows, pos + 1]), mask)
 
     @torch.no_grad()
     def logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
