@@ -5,7 +5,11 @@
    its HTTP server (and in-process) against transformers' `generate` (do_sample, KV cache), both
    computing on a worker thread of the same process. Goal >= 3x.
 2. Time to first token: a 1-token request for one prompt, and for the 64-prompt batch, both sides.
-3. Update latency: export + quantize (checkpoints/hf.py, the `v4rl export --format hf-fp8` layout) +
+3. Where a decode step's time goes, both sides at 1 thread on the same 64 rows after the same prefill: aten
+   ops dispatched per step, wall time per step, and the part spent inside matmul kernels (profiler self time of
+   mm/bmm/addmm/baddbmm). `speedup_bound_matmul_only` is transformers' step time over our matmul time: what a
+   decode step could gain against transformers if everything but the matmuls cost nothing.
+4. Update latency: export + quantize (checkpoints/hf.py, the `v4rl export --format hf-fp8` layout) +
    `/update_weights_from_disk` (load + post-process), against restarting the server from disk
    (`v4rl serve-rollout` process stopped, a new one started, until /health_generate answers). Goal <= 0.25x.
 
@@ -40,6 +44,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench import load_average, machine_info  # noqa: E402
 
@@ -57,6 +62,8 @@ def main(json_out: Path, *, model_dir: Path | None = None, repeats: int = 3) -> 
         result: dict[str, Any] = {"machine": machine_info(), "model": str(model_dir), "batch": BATCH,
                                   "new_tokens": NEW_TOKENS, "dtype": "float32", "repeats": repeats}
         result.update(_generation(model_dir, prompts, repeats))
+        hf_one_thread = result["throughput"]["by_threads"]["1_thread"]["transformers_generate_tok_s"]
+        result["decode_step"] = _decode_step_breakdown(model_dir, prompts, BATCH * NEW_TOKENS / hf_one_thread)
         result["update"] = _update_latency(model_dir, Path(tmp), repeats)
     result["machine"]["load_avg_1m_at_end"] = load_average()
     result["goals"] = {
@@ -187,6 +194,83 @@ def _hf_generate(model: Any, batch: torch.Tensor, n_new: int) -> float:
             top_p=1.0, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=model.config.pad_token_id))
 
 
+# ---------------------------------------------------------------------------------------------- one decode step
+MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"})
+
+
+def _decode_step_breakdown(model_dir: Path, prompts: list[list[int]], hf_generate_s: float,
+                           steps: int = 10) -> dict[str, Any]:
+    """Ops, time and matmul time of one batched decode step: ours (model.decode) and transformers (cached forward);
+    plus the matmul time of our whole generation (prefill + decode steps), against transformers' generate time."""
+    from engines.model import DecodeBatch
+    from engines.score import load_ours, load_reference
+
+    ids = torch.tensor(prompts)
+    tokens = ids[:, -1].clone()  # any valid ids: a step's cost does not depend on which
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            ours_model, reference = load_ours(model_dir), load_reference(model_dir)
+
+            def generation() -> None:
+                batch = DecodeBatch.from_caches(ours_model.cfg, ours_model.prefill(ids)[1])
+                for _ in range(NEW_TOKENS - 1):
+                    ours_model.decode(tokens, batch)
+
+            generation()  # warm-up
+            generation_matmul_ms = _matmul_ms(generation, 1)
+            batch = DecodeBatch.from_caches(ours_model.cfg, ours_model.prefill(ids)[1])
+            ours = _profile_step(lambda: ours_model.decode(tokens, batch), steps)
+            past = reference(input_ids=ids, use_cache=True).past_key_values
+            hf = _profile_step(lambda: reference(input_ids=tokens[:, None], past_key_values=past, use_cache=True),
+                               steps)
+    finally:
+        torch.set_num_threads(threads)
+    return {"rows": len(prompts), "threads": 1, "ours": ours, "transformers": hf,
+            "speedup": hf["step_ms"] / ours["step_ms"],
+            "speedup_bound_matmul_only": hf["step_ms"] / ours["matmul_ms"],
+            "ours_generation_matmul_ms": generation_matmul_ms,
+            "transformers_generate_ms": hf_generate_s * 1e3,
+            "generation_speedup_bound_matmul_only": hf_generate_s * 1e3 / generation_matmul_ms,
+            "note": "ops: aten ops dispatched per step (TorchDispatchMode); matmul_ms: profiler self time of "
+                    "mm/bmm/addmm/baddbmm per step; step_ms: wall time per step without the profiler; the "
+                    "generation bound divides transformers' 1-thread generate time by the matmul time of our "
+                    "prefill + decode steps for the same batch (sampling and HTTP left out)"}
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (below autograd: what actually runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _profile_step(step: Callable[[], Any], steps: int) -> dict[str, float]:
+    for _ in range(3):  # warm-up (allocator, caches grown past their first doubling)
+        step()
+    with _CountOps() as counted:
+        step()
+    step_ms = min(_timed(step) for _ in range(steps)) * 1e3
+    matmul_ms = _matmul_ms(step, steps)
+    return {"ops": counted.count, "step_ms": step_ms, "matmul_ms": matmul_ms, "matmul_share": matmul_ms / step_ms}
+
+
+def _matmul_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Profiler self time of the matmul kernels per call of fn, in ms."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for _ in range(repeats):
+            fn()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / repeats / 1e3
+
+
 # ---------------------------------------------------------------------------------------------- updates
 def _update_latency(model_dir: Path, tmp: Path, repeats: int) -> dict[str, Any]:
     from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
@@ -259,6 +343,12 @@ def _print_summary(r: dict[str, Any], json_out: Path) -> None:
         print(f"  time to first token: one prompt ours {f['ours_one_prompt_s'] * 1e3:.0f} ms vs transformers "
               f"{f['transformers_one_prompt_s'] * 1e3:.0f} ms; batch ours {f['ours_batch_s'] * 1e3:.0f} ms vs "
               f"{f['transformers_batch_s'] * 1e3:.0f} ms")
+    d = r["decode_step"]
+    print(f"one decode step of {d['rows']} rows, 1 thread: ours {d['ours']['ops']} ops, {d['ours']['step_ms']:.1f} ms "
+          f"(matmuls {d['ours']['matmul_ms']:.1f} ms); transformers {d['transformers']['ops']} ops, "
+          f"{d['transformers']['step_ms']:.1f} ms (matmuls {d['transformers']['matmul_ms']:.1f} ms); "
+          f"bound with free non-matmul work: {d['speedup_bound_matmul_only']:.2f}x per step, "
+          f"{d['generation_speedup_bound_matmul_only']:.2f}x for the whole generation")
     print(f"throughput ({BATCH} prompts x {NEW_TOKENS} new tokens, sampling), each at its best threads: "
           f"{t['speedup_http']:.2f}x (goal >= {THROUGHPUT_GOAL}x)")
     print(f"update: export+quantize {u['export_quantize_s']:.2f}s + load+post-process {u['load_post_process_s']:.2f}s "
