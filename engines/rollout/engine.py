@@ -34,16 +34,25 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from engines.model import DecodeBatch, SequenceCache
-from engines.rollout.sampling import SamplingParams, sample_tokens
+from engines.rollout.api import (  # noqa: F401  (re-exported: callers import the engine's types from here)
+    DTYPES,
+    PAUSE_MODES,
+    EngineConfig,
+    EngineStopped,
+    PauseMode,
+    RequestOutput,
+    RequestSpec,
+    UpdateResult,
+)
+from engines.rollout.sampling import sample_tokens
 from engines.rollout.weights import (
-    FAULTS,
     RawTensor,
     WeightStore,
     WeightUpdateError,
@@ -54,91 +63,8 @@ from engines.rollout.weights import (
 )
 
 log = logging.getLogger("v4rl.rollout")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES = ("abort", "retract", "in_place")
 PREFILL_CHUNK = 64
 """Sequences per prefill forward (bounds the [B, S, vocab] logits tensor)."""
-
-
-@dataclass(kw_only=True)
-class EngineConfig:
-    dtype: str = "float32"
-    """Runtime dtype of the dequantized copies: float32 (bit-exact scoring) or bfloat16."""
-    max_running_requests: int = 1024
-    """Requests decoded together at most; the rest wait in the queue (SGLang --max-running-requests). SGLang
-    sizes it from KV memory; our caches are small, and one batch for a whole GRPO step (128 prompts x 8)
-    halves its rollout time against waves of 128 (fewer, wider decode steps)."""
-    prefix_cache_entries: int = 512
-    """Prefilled sequences kept for reuse (LRU); 0 disables the prefix cache."""
-    context_length: int | None = None
-    """Longest prompt + output; None: the model's max_position_embeddings."""
-    weight_version: str = "default"
-    """Initial weight_version reported in meta_info and /model_info."""
-    profile: Mapping[str, Any] = field(default_factory=dict)
-    """Engine profile as a mapping (e.g. `dataclasses.asdict(get_profile(...))`); read: `fp8_dtype` ==
-    "e4m3fnuz" or `rocm_fnuz` True puts FP8 weights through e4m3fnuz copies, as ROCm MI300-class engines do."""
-    threads: int | None = None
-    """Intra-op CPU threads of the scheduler thread (torch.set_num_threads there; other threads keep theirs).
-    None keeps torch's default. A decode step of a small model is thousands of tiny ops, where waking a second
-    thread can cost more than it saves: bench/rollout.py measures 1 thread against the default."""
-    fault: str | None = None
-    """Tests only: simulate a known weight-update bug in every rebuild after the first (weights.FAULTS)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1; got {self.max_running_requests}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 or None (torch's default); got {self.threads}")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}; got {self.fault!r}")
-
-    @property
-    def rocm_fnuz(self) -> bool:
-        return bool(self.profile.get("rocm_fnuz")) or self.profile.get("fp8_dtype") == "e4m3fnuz"
-
-
-@dataclass(kw_only=True)
-class RequestSpec:
-    """One sequence to generate (SGLang GenerateReqInput after batch expansion)."""
-
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    seed: int
-    """Seeds this request's own torch.Generator."""
-    min_new_tokens: int = 0
-    stop_strings: tuple[str, ...] = ()
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    """First prompt position with an input logprob entry; -1: the last prompt token only (SGLang)."""
-    top_logprobs_num: int = 0
-
-
-@dataclass
-class RequestOutput:
-    rid: str
-    input_ids: list[int]
-    output_ids: list[int]
-    finish_reason: dict[str, Any]
-    output_logprobs: list[float]
-    output_top_logprobs: list[list[tuple[float, int]]]
-    input_logprobs: list[float | None]
-    """Entries for positions logprob_start_len .. len(input_ids)-1, the first one None (SGLang)."""
-    input_top_logprobs: list[list[tuple[float, int]] | None]
-    cached_tokens: int
-    num_retractions: int
-    weight_version: str
-    e2e_latency: float
-
-
-@dataclass
-class UpdateResult:
-    success: bool
-    message: str
-    num_paused_requests: int = 0
 
 
 class _Request:
@@ -175,10 +101,6 @@ class _Command:
     fn: Callable[[], Any]
     future: Future
     when_idle: bool
-
-
-class EngineStopped(RuntimeError):
-    """The engine was shut down while a request or command was pending."""
 
 
 class RolloutEngine:
