@@ -19,7 +19,8 @@ work too) and streams safetensors shards. `hf-fp8` re-quantizes with the rollout
 (`checkpoints/hf.py` `encode_tensor`); `like=` the original HF directory reuses its block scales where
 they are exact (byte-identical round trip for UE8M0 checkpoints) and copies its tokenizer files.
 
-Workers are processes (fork where available, one per core by default), one torch thread each.
+Workers are processes (fork where available, one per core by default), one torch thread each; the pool,
+its progress bar and killing the workers on the first failure live in checkpoints/workers.py.
 
 Tests: `.venv/bin/python -m pytest tests/test_convert.py -q`; benchmark: `v4rl bench convert --json out.json`.
 """
@@ -28,15 +29,9 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
-import os
-import queue
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -83,6 +78,7 @@ from checkpoints.torch_dist import (
     write_common,
     write_dcp_metadata,
 )
+from checkpoints.workers import ProgressBar, default_workers, report_progress, run_jobs
 from engines.model.config import ModelConfig
 from engines.model.params import native_param_specs
 
@@ -93,124 +89,6 @@ JOB_BYTES = 1 << 30
 """Output bytes per conversion job (one .distcp file); smaller when needed to keep every worker busy."""
 PIECE_BYTES = 256 << 20
 """Unquantized tensors bigger than this are written as several row chunks (bounds a worker's memory)."""
-
-
-# ============================================================================================== worker pool
-_REPORT: Callable[[int], None] | None = None
-
-
-def _init_worker(q: Any) -> None:
-    global _REPORT
-    torch.set_num_threads(1)  # one process per core; intra-op threads would only contend
-    _REPORT = q.put
-
-
-def _report(nbytes: int) -> None:
-    if _REPORT is not None:
-        _REPORT(nbytes)
-
-
-class _Bar:
-    """A rich progress bar with bytes and bytes/s on stderr, or nothing."""
-
-    def __init__(self, label: str, total: int, enabled: bool) -> None:
-        self._progress = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
-            self._task = self._progress.add_task(label, total=total)
-
-    def advance(self, n: int) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, advance=n)
-
-    def __enter__(self) -> _Bar:
-        if self._progress is not None:
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-
-def _run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], *, workers: int, total: int, label: str,
-              progress: bool, meanwhile: Callable[[], Any] | None = None) -> list[Any]:
-    """Run jobs in `workers` processes (fork where available), advancing a byte progress bar; in order results.
-
-    workers=1 runs in this process. The first failing job stops every worker and re-raises its error.
-    `meanwhile` runs in a thread of this (otherwise idle) process once the workers exist.
-    """
-    global _REPORT
-    if meanwhile is not None:
-        meanwhile = _in_thread(meanwhile)
-    if workers <= 1 or len(jobs) <= 1:
-        if meanwhile is not None:
-            meanwhile()
-        with _Bar(label, total, progress) as bar:
-            _REPORT = bar.advance
-            try:
-                return [fn(j) for j in jobs]
-            finally:
-                _REPORT = None
-    methods = mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-    q = ctx.Queue()
-    ex = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(q,))
-    futures = {ex.submit(fn, j): i for i, j in enumerate(jobs)}  # workers fork here, before any thread starts
-    if meanwhile is not None:
-        meanwhile()
-    results: list[Any] = [None] * len(jobs)
-    try:
-        with _Bar(label, total, progress) as bar:
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-                _drain(q, bar)
-                for f in done:
-                    results[futures[f]] = f.result()
-            _drain(q, bar)
-        return results
-    except BrokenProcessPool as exc:
-        raise ConversionError("a conversion worker process died (killed by the OS: out of memory?); run again with "
-                              "fewer --workers") from exc
-    except BaseException:
-        _kill_workers(ex)
-        raise
-    finally:
-        ex.shutdown(wait=True, cancel_futures=True)
-        q.close()
-
-
-def _in_thread(fn: Callable[[], Any]) -> Callable[[], None]:
-    def start() -> None:
-        threading.Thread(target=fn, name="v4rl-prefetch", daemon=True).start()
-    return start
-
-
-def _drain(q: Any, bar: _Bar) -> None:
-    while True:
-        try:
-            bar.advance(q.get_nowait())
-        except queue.Empty:
-            return
-
-
-def _kill_workers(ex: ProcessPoolExecutor) -> None:
-    terminate = getattr(ex, "terminate_workers", None)  # Python >= 3.14
-    if terminate is not None:
-        terminate()
-        return
-    for p in list((getattr(ex, "_processes", None) or {}).values()):
-        p.terminate()
-
-
-def default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 # ============================================================================================== HF -> torch_dist
@@ -254,7 +132,7 @@ def _convert_job(job: _ConvertJob) -> list[ChunkRecord]:
                 writer.append(p.name, offsets, out.reshape(sizes))
             except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
                 raise _write_error(job.out, f"{p.name!r} (from {t.native!r})", exc) from exc
-            _report(t.out_nbytes)
+            report_progress(t.out_nbytes)
         try:
             writer.close()
         except OSError as exc:
@@ -345,7 +223,7 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
         rel.mkdir()
         jobs = _plan_jobs(plan, rel, workers)
         total = sum(t.out_nbytes for t in plan.tensors.values())
-        results = _run_jobs(_convert_job, jobs, workers=workers, total=total, label="convert", progress=progress,
+        results = run_jobs(_convert_job, jobs, workers=workers, total=total, label="convert", progress=progress,
                             meanwhile=import_megatron if verify != "none" else None)  # ~3 s, overlapped
         if fsync:  # workers only started the writeback; make every chunk file durable before any metadata
             sync_files(Path(j.out) for j in jobs)
@@ -447,7 +325,7 @@ def verify_torch_dist(ckpt: str | Path, *, against: str | Path | None = None, ba
     total = sum(math.prod(b.sizes) * specs[b.key].dtype.itemsize for b in boxes)
     values = _SourceValues(plan) if plan else None
     try:
-        with single_rank_process_group(), _Bar("verify", total, progress) as bar:
+        with single_rank_process_group(), ProgressBar("verify", total, progress) as bar:
             check_storage_bounds(d)  # a truncated or missing .distcp: name the file, before megatron trips on it
             _compare_specs(megatron_tensor_metadata(d), specs, where=str(d))
             for batch in _batches(boxes, specs, batch_bytes):
@@ -569,7 +447,7 @@ def _export_job(job: _ExportJob) -> int:
                     writer.write(name, x)
                 except OSError as exc:
                     raise _write_error(job.out, repr(name), exc) from exc
-                _report(x.numel() * x.element_size())
+                report_progress(x.numel() * x.element_size())
         writer.close()
     finally:
         if files:
@@ -633,7 +511,7 @@ def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportForm
             refs = tuple((nat, like_plan.tensors[nat]) for nat, _, _ in natives) if like_plan else ()
             jobs.append(_ExportJob(str(ckpt), str(out.tmp / name), tuple(natives), entries, fmt, expert_dtype,
                                    scale_fmt, cfg.n_routed_experts, str(like) if like else None, refs, fsync))
-        sizes = _run_jobs(_export_job, jobs, workers=workers, total=total, label=f"export {fmt}", progress=progress)
+        sizes = run_jobs(_export_job, jobs, workers=workers, total=total, label=f"export {fmt}", progress=progress)
         _write_hf_side_files(out.tmp, raw, cfg, fmt, expert_dtype, scale_fmt, weight_map, total, like)
         seconds = time.perf_counter() - t0
         out.commit({"key": key, "kind": f"torch_dist->{fmt}", "source": str(src.resolve()),
