@@ -1,0 +1,160 @@
+"""Native CPU kernels for the longest chains of tiny ops in our model, bit-identical to those ops.
+
+mHC's Sinkhorn normalisation is 117 torch ops per call on [..., 4, 4] matrices, and a decode step of
+the tiny model makes 9 calls: 40% of the step's ops, ~3 ms at 64 rows. `sinkhorn` runs the same
+float32 additions and divisions in the same order in C (kernels.c), one call per batch.
+
+The library is compiled from kernels.c with the system C compiler ($CC, default `cc`) on first use
+(about 0.1 s), cached as `<cache>/libv4rl_kernels-<hash>.so` (cache: $V4RL_KERNEL_CACHE, else
+$XDG_CACHE_HOME/v4rl/kernels, else ~/.cache/v4rl/kernels; the hash covers the source, the compiler
+and its flags) and loaded with ctypes, which releases the GIL during a call. The .so is written under a
+temporary name and renamed, so concurrent processes never load a half-written file.
+
+Before a kernel is used for matrices of a given size, it is compared with the torch ops on random
+inputs: any difference (another torch version may reduce in another order) or no usable compiler
+means the torch ops are used instead, with one warning that says why and how to fix it. Nothing
+changes numerically either way; only speed. V4RL_NATIVE_KERNELS=0 turns the kernels off.
+
+    from engines.model import kernels
+    kernels.status()                 # {"enabled": True, "library": "...so", "error": None, "verified": {4: True}}
+    .venv/bin/python -m pytest tests/test_kernels.py -q
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("v4rl.kernels")
+SOURCE = Path(__file__).with_name("kernels.c")
+CFLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+"""No fused multiply-add and no reassociation: both would round differently from torch."""
+BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_error: str | None = None
+_loaded = False
+_verified: dict[int, bool] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("V4RL_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("V4RL_KERNEL_CACHE"):
+        return Path(os.environ["V4RL_KERNEL_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "v4rl" / "kernels"
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile kernels.c into `out_dir` (default cache_dir()) unless the same build is there; returns the .so."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC to a C compiler)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    out_dir = Path(out_dir or cache_dir())
+    target = out_dir / f"libv4rl_kernels-{key}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to compile {SOURCE} (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout).strip()[:2000]}")
+        os.replace(tmp, target)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{compiler} did not compile {SOURCE} within {BUILD_TIMEOUT_S} s") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _error, _loaded
+    with _lock:
+        if not _loaded:
+            _loaded = True
+            try:
+                lib = ctypes.CDLL(str(build()))
+                lib.v4rl_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_float]
+                lib.v4rl_sinkhorn.restype = None
+                _library = lib
+            except (OSError, RuntimeError) as exc:
+                _error = str(exc)
+                log.warning("native kernels unavailable, using torch ops (same results, slower): %s", exc)
+    return _library
+
+
+def reset() -> None:
+    """Forget the loaded library and every check (tests: after changing the environment)."""
+    global _library, _error, _loaded
+    with _lock:
+        _library, _error, _loaded = None, None, False
+        _verified.clear()
+
+
+def status() -> dict[str, Any]:
+    """What the kernels are doing in this process (for benchmarks and /server_info)."""
+    return {"enabled": enabled(), "library": getattr(_library, "_name", None), "error": _error,
+            "verified": dict(_verified)}
+
+
+# ---------------------------------------------------------------------------------------------- Sinkhorn
+def sinkhorn_applies(comb: torch.Tensor, reference: Callable[[torch.Tensor, int, float], torch.Tensor]) -> bool:
+    """Whether `sinkhorn` may replace `reference` (the torch ops) for these matrices: fp32 on the CPU, no
+    gradient wanted, the kernel built and checked bit-identical to `reference` for this matrix size."""
+    if (comb.dtype != torch.float32 or comb.device.type != "cpu" or comb.dim() < 2
+            or comb.shape[-1] != comb.shape[-2] or (comb.requires_grad and torch.is_grad_enabled())
+            or not enabled()):
+        return False
+    n = comb.shape[-1]
+    if n not in _verified:
+        _verified[n] = _load() is not None and _check_sinkhorn(n, reference)
+    return _verified[n]
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The kernel itself (call `sinkhorn_applies` first): a new tensor, `comb` is left as it was."""
+    out = comb.clone(memory_format=torch.contiguous_format)
+    n = comb.shape[-1]
+    if out.numel():
+        _library.v4rl_sinkhorn(out.data_ptr(), out.numel() // (n * n), n, iters, eps)
+    return out
+
+
+def _check_sinkhorn(n: int, reference: Callable[[torch.Tensor, int, float], torch.Tensor]) -> bool:
+    g = torch.Generator().manual_seed(n)
+    for shape in ((1, n, n), (64, 1, n, n), (64, 29, n, n), (3, 257, n, n)):
+        comb = torch.softmax(3 * torch.randn(shape, generator=g), dim=-1) + 1e-6
+        for iters, eps in ((20, 1e-6), (3, 1e-3)):
+            want, got = reference(comb, iters, eps), sinkhorn(comb, iters, eps)
+            if not torch.equal(want, got):
+                bad = (want != got).sum().item()
+                log.warning("native sinkhorn differs from the torch ops for %dx%d matrices (%d of %d values, "
+                            "shape %s, iters %d): using the torch ops. Report this with your torch version (%s)",
+                            n, n, bad, want.numel(), tuple(shape), iters, torch.__version__)
+                return False
+    return True

@@ -1,0 +1,107 @@
+"""Native kernels (engines/model/kernels.py): bit-identical to the torch ops they replace, built once and
+atomically, and a clean fall-back to the torch ops (with a warning) when they cannot be built.
+
+    .venv/bin/python -m pytest tests/test_kernels.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from engines.model import kernels
+from engines.model.layers import sinkhorn, sinkhorn_torch
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernel_state():
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
+def _matrices(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(4 * torch.randn(shape, generator=g), dim=-1) + 1e-6
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(4, 4), (64, 1, 4, 4), (2, 29, 4, 4), (1000, 4, 4)])
+def test_native_sinkhorn_equals_the_torch_ops_bit_for_bit(shape):
+    comb = _matrices(*shape, seed=len(shape))
+    assert kernels.sinkhorn_applies(comb, sinkhorn_torch), kernels.status()
+    for iters, eps in ((20, 1e-6), (1, 1e-6), (7, 1e-2)):
+        before = comb.clone()
+        assert torch.equal(sinkhorn(comb, iters, eps), sinkhorn_torch(comb, iters, eps))
+        assert torch.equal(comb, before)  # the input is left alone
+
+
+@needs_compiler
+def test_native_sinkhorn_takes_non_contiguous_and_empty_inputs():
+    comb = _matrices(8, 4, 4).transpose(-1, -2)
+    assert not comb.is_contiguous()
+    assert torch.equal(sinkhorn(comb, 20, 1e-6), sinkhorn_torch(comb, 20, 1e-6))
+    empty = torch.empty(0, 4, 4)
+    assert sinkhorn(empty, 20, 1e-6).shape == (0, 4, 4)
+
+
+def test_gradients_and_other_dtypes_use_the_torch_ops():
+    comb = _matrices(3, 4, 4).requires_grad_()
+    assert not kernels.sinkhorn_applies(comb, sinkhorn_torch)
+    sinkhorn(comb, 20, 1e-6).sum().backward()
+    assert comb.grad is not None and torch.isfinite(comb.grad).all()
+    assert not kernels.sinkhorn_applies(_matrices(3, 4, 4).double(), sinkhorn_torch)
+    assert not kernels.sinkhorn_applies(_matrices(3, 4, 3), sinkhorn_torch)  # not square
+
+
+@needs_compiler
+def test_model_logits_are_identical_with_and_without_native_kernels(monkeypatch, tiny_checkpoint):
+    from engines.model import DecodeBatch
+    from engines.score import load_ours
+
+    model = load_ours(tiny_checkpoint)
+    ids = torch.randint(3, model.cfg.vocab_size, (6, 11), generator=torch.Generator().manual_seed(0))
+
+    def run() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            logits, caches = model.prefill(ids)
+            batch, out = DecodeBatch.from_caches(model.cfg, caches), [logits]
+            for step in range(9):  # past a compressed window (rates 4 and 8), so entries are emitted
+                out.append(model.decode(ids[:, step], batch))
+            return out
+
+    native = run()
+    assert kernels.status()["verified"] == {model.cfg.hc_mult: True}
+    monkeypatch.setenv("V4RL_NATIVE_KERNELS", "0")
+    kernels.reset()
+    torch_ops = run()
+    assert kernels.status()["verified"] == {}
+    assert all(torch.equal(a, b) for a, b in zip(native, torch_ops))
+
+
+@needs_compiler
+def test_build_is_cached_and_leaves_no_partial_file(tmp_path):
+    first = kernels.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert kernels.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("compiler, message", [("false", "failed to compile"),
+                                               ("v4rl-no-such-compiler", "no C compiler")])
+def test_an_unusable_compiler_falls_back_to_the_torch_ops_with_a_warning(monkeypatch, tmp_path, caplog, compiler,
+                                                                         message):
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("V4RL_KERNEL_CACHE", str(tmp_path))
+    comb = _matrices(5, 4, 4)
+    with caplog.at_level(logging.WARNING, logger="v4rl.kernels"):
+        assert not kernels.sinkhorn_applies(comb, sinkhorn_torch)
+        assert torch.equal(sinkhorn(comb, 20, 1e-6), sinkhorn_torch(comb, 20, 1e-6))
+    assert message in kernels.status()["error"]
+    assert any("using torch ops" in r.getMessage() and message in r.getMessage() for r in caplog.records)
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
