@@ -288,6 +288,8 @@ def test_health_and_info(served):
     assert server_info["dtype"] == "float32" and "num_running_reqs" in server_info["internal_states"][0]
     assert server_info["internal_states"][0]["stored_tensors"] == {"fp8": 34, "fp4": 96, "bfloat16": 40,
                                                                    "float32": 38, "int64": 2}
+    kernels = server_info["internal_states"][0]["native_kernels"]
+    assert kernels["enabled"] and (kernels["error"] is None) == (kernels["library"] is not None)
     client.update_weight_version("v7")
     assert client.weight_version() == "v7"
     client.update_weight_version("default")

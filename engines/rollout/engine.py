@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engines.model import DecodeBatch, SequenceCache
+from engines.model import DecodeBatch, SequenceCache, kernels
 from engines.rollout.api import (  # noqa: F401  (re-exported: callers import the engine's types from here)
     DTYPES,
     PAUSE_MODES,
@@ -242,7 +242,8 @@ class RolloutEngine:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_update_session": self._session is not None,
                     "weight_version": self.weight_version, "prefix_cache_entries": len(self._prefix),
-                    "stored_tensors": self.store.storage_summary(), **self._stats}
+                    "stored_tensors": self.store.storage_summary(), "native_kernels": kernels.status(),
+                    **self._stats}
         return self._call(snapshot).result()
 
     @property
