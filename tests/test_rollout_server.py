@@ -307,6 +307,15 @@ def test_api_key_is_enforced(tiny_checkpoint):
         with SGLangClient(server.url, api_key="s3cret") as client:
             assert client.generate(body)["meta_info"]["completion_tokens"] == 1
             assert client.model_info()["is_generation"]
+            assert client.requires_api_key()  # probed without the header the client otherwise always sends
+            assert client.model_info()["is_generation"]  # and the client's own header is still there
+
+
+def test_a_server_without_a_key_is_reported_as_open(served):
+    _, client = served
+    assert not client.requires_api_key()
+    with SGLangClient(client.base_url, api_key="any") as keyed:  # a key the open server never asked for
+        assert not keyed.requires_api_key()
 
 
 def test_bf16_runtime_logprobs(tiny_checkpoint, ours):

@@ -1,6 +1,7 @@
 """Secrets never leave the process that needs them (issue 8): plant distinctive S3 credentials and a rollout API
 key through the supported configuration paths, run the smallest end-to-end rl-pipeline (a real Prefect server
-and an S3-compatible server on 127.0.0.1), then search every output of the run for them:
+and an S3-compatible server on 127.0.0.1), in-process and on a local Ray cluster, then search every output of the
+run for them:
 
   - the run directory tree (every file, as bytes: checkpoints, plots, JSON, markdown, logs);
   - every object in the artifact store (bodies and user metadata) and every key;
@@ -9,15 +10,17 @@ and an S3-compatible server on 127.0.0.1), then search every output of the run f
   - the Prefect API: flow-run and task-run records (parameters, states, messages), artifacts, logs, events,
     variables, block documents other than the Secret block itself; and the Prefect server's and this process's
     PREFECT_HOME on disk (the server database, persisted task results);
-  - the report (report.md, summary.json, the report artifact).
+  - the report (report.md, summary.json, the report artifact);
+  - on Ray: the cluster's session directory (every log, the workers' stdout/stderr, runtime-env files).
 
 Configuration paths: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment, the S3 secret in a Prefect
 Secret block named by `s3_secret_block` (key id from the environment: the documented string form), and
 V4RL_ROLLOUT_API_KEY for the rollout servers. Non-vacuity: the S3 requests were signed with the planted key id
-(seen by the proxy), every rollout server was started with the planted API key, the scan read many files and
-objects, and the run key (a non-secret marker) IS found in each kind of output.
+(seen by the proxy), every in-process rollout server was started with the planted API key and the training run's
+server refused a request without it (the run checks this itself), the scan read many files and objects, and the
+run key (a non-secret marker) IS found in each kind of output.
 
-    .venv/bin/python -m pytest tests/test_secret_scan.py -q        (~40 s on 2 cores)
+    .venv/bin/python -m pytest tests/test_secret_scan.py -q        (~45 s on 2 cores)
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
+
+import pytest
 
 from tests.prefect_server import prefect_server  # noqa: F401
 from tests.s3_server import moto_server, s3_bucket, s3_proxy  # noqa: F401
@@ -40,6 +46,7 @@ BLOCK_SECRET = "v4rl+BLOCK/secret-3kJh5GfD7sAq1WeR0tYu"
 ROLLOUT_KEY = "v4rl-rollout-key-P8nM6bV4cX2zL0kJ"
 SECRETS = {"S3 access key id": ACCESS_KEY_ID, "S3 secret (env)": ENV_SECRET, "S3 secret (Secret block)": BLOCK_SECRET,
            "rollout API key": ROLLOUT_KEY}
+RAY_TEMP = Path(tempfile.gettempdir()) / "ray"  # ray.init's default _temp_dir
 MARKER = "scanmarker-7f3a"  # the run key: not a secret, must show up everywhere
 BLOCK_NAME = "v4rl-scan-s3"
 
@@ -155,15 +162,19 @@ def _scan_store(scan: Scan, bucket) -> None:
         scan.add("store object", key, key.encode() + repr(obj["Metadata"]).encode() + obj["Body"].read())
 
 
+@pytest.mark.parametrize("use_ray", [False, True], ids=["in-process", "ray"])
 def test_planted_secrets_appear_in_no_output_of_a_pipeline_run(prefect_server, s3_bucket, s3_proxy,  # noqa: F811
-                                                               tmp_path, monkeypatch, capfd):
+                                                               tmp_path, monkeypatch, capfd, use_ray):
     import prefect.settings
     from prefect.blocks.system import Secret
+    from prefect.logging.configuration import setup_logging
 
     import engines.rollout.server as rollout_server
     from flows.params import PipelineParams
     from flows.rl_pipeline import rl_pipeline
 
+    # Prefect's console handler keeps the stderr it was built with; an earlier test's capfd file is closed by now
+    setup_logging(incremental=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", ENV_SECRET)
     monkeypatch.setenv("V4RL_ROLLOUT_API_KEY", ROLLOUT_KEY)
@@ -176,8 +187,9 @@ def test_planted_secrets_appear_in_no_output_of_a_pipeline_run(prefect_server, s
 
     params = PipelineParams.preset_defaults(
         "tiny-cpu", run_key=MARKER, runs_root=str(tmp_path / "runs"), steps=1, eval_interval=1, prompts_per_step=4,
-        n_samples=4, n_eval=8, eval_samples=4, align_prompts=2, use_ray=False, store_url=s3_bucket.store_url("v4rl"),
+        n_samples=4, n_eval=8, eval_samples=4, align_prompts=2, use_ray=use_ray, store_url=s3_bucket.store_url("v4rl"),
         s3_endpoint_url=s3_proxy.url, s3_secret_block=BLOCK_NAME)
+    ray_sessions_before = set(RAY_TEMP.glob("session_2*"))
     with _every_log_record() as records:
         state = rl_pipeline(params, return_state=True)
     assert state.is_completed(), state
@@ -185,7 +197,10 @@ def test_planted_secrets_appear_in_no_output_of_a_pipeline_run(prefect_server, s
     # the planted values really were used: requests signed with the key id, every rollout server keyed
     signed = {r.access_key_id for r in s3_proxy.requests if r.access_key_id}
     assert signed == {ACCESS_KEY_ID}, signed
-    assert len(served_keys) >= 3 and set(served_keys) == {ROLLOUT_KEY}, served_keys  # training + 2 evaluations
+    # in-process: training + 2 evaluations; on Ray the training server lives in an actor process, so the run's own
+    # probe (a request without the key must be refused) is what shows that server was keyed
+    assert len(served_keys) >= (2 if use_ray else 3) and set(served_keys) == {ROLLOUT_KEY}, served_keys
+    assert any("refuses requests without the API key" in r.getMessage() for r in records)
 
     scan = Scan()
     scan.add_tree("run directory", tmp_path / "runs" / MARKER)
@@ -197,12 +212,19 @@ def test_planted_secrets_appear_in_no_output_of_a_pipeline_run(prefect_server, s
         scan.add("log record", record.name, f"{record.getMessage()} {record.args!r} {record.exc_text or ''}")
     _scan_prefect_api(scan)
     scan.add_tree("prefect server home", prefect_server["home"])
+    if use_ray:  # the local cluster's session: its logs, the workers' stdout/stderr, runtime env files
+        new_sessions = set(RAY_TEMP.glob("session_2*")) - ray_sessions_before
+        assert new_sessions, f"no new Ray session under {RAY_TEMP}"
+        for session in new_sessions:
+            scan.add_tree("ray session", session)
     local_home = Path(prefect.settings.get_current_settings().home)
     if local_home.exists() and local_home != prefect_server["home"]:
         scan.add_tree("prefect home of this process", local_home)
 
     assert not scan.leaks, "secrets leaked:\n" + "\n".join(scan.leaks[:20])
     assert scan.seen["run directory"] > 20 and scan.seen["store object"] > 20, scan.seen
+    if use_ray:
+        assert scan.seen["ray session"] > 10 and scan.marker_in.get("ray session"), (scan.seen, scan.marker_in)
     # (after other in-process flow runs in the same pytest session the server may hold only the subflow task
     # runs of this one: how many task runs there are is Prefect's business, scanning all of them is ours)
     assert scan.seen["prefect log"] > 10 and scan.seen["prefect task run"] >= 1, scan.seen

@@ -82,3 +82,17 @@ def test_one_step_on_a_local_ray_cluster(tiny_checkpoint, tmp_path):
     run_training(tmp_path / "ray", _config(tiny_checkpoint, 1, use_ray=True), log=lambda m: None,
                  on_step=lambda step, m: rows_seen.append((step, m["train/grad_norm"])))
     assert rows_seen and rows_seen[0][0] == 1 and math.isfinite(rows_seen[0][1])
+
+
+def test_a_rollout_server_that_ignores_the_api_key_stops_the_run(tiny_base, tmp_path, monkeypatch):
+    """V4RL_ROLLOUT_API_KEY set, but the server was started without it: fail before step 1, naming the fix."""
+    import engines.rollout.server as rollout_server
+    from engines.train.run import RolloutUnprotected
+
+    monkeypatch.setenv("V4RL_ROLLOUT_API_KEY", "run-key")
+    started = rollout_server.RolloutServer.__init__
+    monkeypatch.setattr(rollout_server.RolloutServer, "__init__",
+                        lambda self, engine, **kw: started(self, engine, **{**kw, "api_key": None}))
+    with pytest.raises(RolloutUnprotected, match="answers requests without it.*--api-key"):
+        run_training(tmp_path / "run", _config(tiny_base, 1, use_ray=False), log=lambda m: None)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _rows(tmp_path / "run")

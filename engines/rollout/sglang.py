@@ -194,6 +194,23 @@ class SGLangClient:
                 time.sleep(poll_s)
         raise SGLangTimeout(f"{self.base_url}/health did not answer 200 within {timeout}s")
 
+    def requires_api_key(self) -> bool:
+        """Whether the server refuses GET /model_info without our Authorization header (401/403): SGLang's and our
+        server's answer when started with --api-key; 2xx means anyone who reaches the port may call it."""
+        request = self._http.build_request("GET", "/model_info", timeout=self.timeout)
+        request.headers.pop("Authorization", None)
+        try:
+            resp = self._http.send(request)
+        except httpx.TimeoutException as exc:
+            raise SGLangTimeout(f"GET {request.url}: no answer within {self.timeout}s") from exc
+        except httpx.HTTPError as exc:
+            raise SGLangConnectionError(f"GET {request.url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (401, 403):
+            return True
+        if resp.status_code >= 400:
+            raise SGLangHTTPError("GET", str(request.url), resp.status_code, _decode(resp))
+        return False
+
     def model_info(self) -> dict[str, Any]:
         return self.request("GET", "/model_info")
 

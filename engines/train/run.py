@@ -199,6 +199,8 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     with runlog.sinks, grader, workers as (trainer, rollout_url, call):
         client = SGLangClient(rollout_url, api_key=api_key, timeout=config.call_timeout_s,
                               generate_timeout=config.call_timeout_s, update_timeout=config.call_timeout_s)
+        if api_key:
+            _check_protected(client, log)
         rollout = HTTPRollout(client)
         resumed = call(trainer.resume, "resuming the trainer")
         start = resumed["step"]
@@ -290,6 +292,19 @@ def _sync(call, trainer, rollout, run_dir: Path, step: int) -> float:
     call(trainer.export, "exporting weights", str(path))
     rollout.load_weights(str(path), version=f"step-{step}")
     return time.monotonic() - start
+
+
+class RolloutUnprotected(RuntimeError):
+    """V4RL_ROLLOUT_API_KEY is set, but the rollout server answers requests that do not carry it."""
+
+
+def _check_protected(client: SGLangClient, log: Callable[[str], None]) -> None:
+    if not client.requires_api_key():
+        raise RolloutUnprotected(
+            f"{ROLLOUT_API_KEY_ENV} is set but the rollout server at {client.base_url} answers requests without it, "
+            "so anyone who can reach its port can generate and replace its weights; start it with the key "
+            "(sglang.launch_server --api-key, v4rl serve-rollout --api-key) or unset the variable")
+    log(f"rollout server {client.base_url} refuses requests without the API key ({ROLLOUT_API_KEY_ENV})")
 
 
 class _workers:
