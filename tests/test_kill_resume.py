@@ -238,7 +238,9 @@ def _kill_actor_mid_step(role: str, tiny_base, reference_run, tmp_path) -> None:
     child = _Child(tmp_path, run_dir, tiny_base, use_ray=True)
     try:
         # The pid file is written at the end of step 2 (after its checkpoint). The actor's next busy spell is
-        # its part of step 3 (the rollout: generate; the trainer: the GRPO step), and the kill lands in it.
+        # its part of step 3 (the rollout: generate; the trainer: the GRPO step), and the kill lands in it,
+        # or in step 4 when step 3's spell ended between two polls (a tiny rollout takes ~0.1 s): then step 3
+        # is logged but, like step 4, never checkpointed, and the resumed run redoes both.
         child.wait_for(child.pid_file.exists, "the actors' pids (after step 2)")
         pid = json.loads(child.pid_file.read_text())[role]
         child.wait_for(_busy(pid), f"the {role} at work in step 3")
@@ -247,7 +249,7 @@ def _kill_actor_mid_step(role: str, tiny_base, reference_run, tmp_path) -> None:
         out = child.output()
         assert code != 0, f"the run went on after its {role} died:\n{out}"
         assert latest_step(run_dir / "checkpoints") == 2
-        assert [r["step"] for r in _rows(run_dir)] == [1, 2], out
+        assert [r["step"] for r in _rows(run_dir)] in ([1, 2], [1, 2, 3]), out
         # The rollout dies mid-request (RemoteProtocolError) or between requests (connection refused).
         expected = r"engines\.rollout\.sglang\.SGLang\w*Error" if role == "rollout" else r"ActorDiedError"
         assert re.search(expected, out), out

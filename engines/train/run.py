@@ -294,8 +294,9 @@ def _sync(call, trainer, rollout, run_dir: Path, step: int) -> float:
     return time.monotonic() - start
 
 
-class RolloutUnprotected(RuntimeError):
-    """V4RL_ROLLOUT_API_KEY is set, but the rollout server answers requests that do not carry it."""
+class RolloutUnprotected(ValueError):
+    """V4RL_ROLLOUT_API_KEY is set, but the rollout server answers requests that do not carry it (a configuration
+    error: a ValueError, so the Prefect task does not retry it)."""
 
 
 def _check_protected(client: SGLangClient, log: Callable[[str], None]) -> None:
