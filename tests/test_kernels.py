@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,19 @@ def test_an_unusable_compiler_falls_back_to_the_torch_ops_with_a_warning(monkeyp
     assert message in kernels.status()["error"]
     assert any("using torch ops" in r.getMessage() and message in r.getMessage() for r in caplog.records)
     assert not list(tmp_path.iterdir())  # no half-written library left behind
+
+
+@needs_compiler
+def test_concurrent_builds_into_one_cache_all_load_the_same_library(tmp_path):
+    """Ray actors and server processes start together on a fresh machine: each may compile, none may load a
+    half-written file, and one library is left."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes, sys; from engines.model import kernels; "
+            "lib = kernels.build(sys.argv[1]); ctypes.CDLL(str(lib)).v4rl_sinkhorn; print(lib)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outputs)) == 1 and [p.name for p in tmp_path.iterdir()] == [Path(outputs[0]).name]
