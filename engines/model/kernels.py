@@ -45,6 +45,7 @@ BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+_library_path: str | None = None
 _error: str | None = None
 _loaded = False
 _verified: dict[int, bool] = {}
@@ -92,16 +93,17 @@ def build(out_dir: Path | None = None) -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _library, _error, _loaded
+    global _library, _library_path, _error, _loaded
     with _lock:
         if not _loaded:
             _loaded = True
             try:
-                lib = ctypes.CDLL(str(build()))
+                path = str(build())
+                lib = ctypes.CDLL(path)
                 lib.v4rl_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                               ctypes.c_float]
                 lib.v4rl_sinkhorn.restype = None
-                _library = lib
+                _library, _library_path = lib, path
             except (OSError, RuntimeError) as exc:
                 _error = str(exc)
                 log.warning("native kernels unavailable, using torch ops (same results, slower): %s", exc)
@@ -110,15 +112,15 @@ def _load() -> ctypes.CDLL | None:
 
 def reset() -> None:
     """Forget the loaded library and every check (tests: after changing the environment)."""
-    global _library, _error, _loaded
+    global _library, _library_path, _error, _loaded
     with _lock:
-        _library, _error, _loaded = None, None, False
+        _library, _library_path, _error, _loaded = None, None, None, False
         _verified.clear()
 
 
 def status() -> dict[str, Any]:
     """What the kernels are doing in this process (for benchmarks and /server_info)."""
-    return {"enabled": enabled(), "library": getattr(_library, "_name", None), "error": _error,
+    return {"enabled": enabled(), "library": _library_path, "error": _error,
             "verified": dict(_verified)}
 
 
