@@ -7,8 +7,10 @@
 2. Time to first token: a 1-token request for one prompt, and for the 64-prompt batch, both sides.
 3. Where a decode step's time goes, both sides at 1 thread on the same 64 rows after the same prefill: aten
    ops dispatched per step, wall time per step, and the part spent inside matmul kernels (profiler self time of
-   mm/bmm/addmm/baddbmm). `speedup_bound_matmul_only` is transformers' step time over our matmul time: what a
-   decode step could gain against transformers if everything but the matmuls cost nothing.
+   mm/bmm/addmm/baddbmm; a native kernel call of engines/model/kernels.py is not an aten op).
+   `speedup_bound_matmul_only` is transformers' step time over our matmul time: what a decode step could gain
+   against transformers if everything but the matmuls cost nothing; `generation_speedup_bound_matmul_only` is
+   the same for the whole generation (our prefill + 31 decode steps against transformers' 1-thread generate).
 4. Update latency: export + quantize (checkpoints/hf.py, the `v4rl export --format hf-fp8` layout) +
    `/update_weights_from_disk` (load + post-process), against restarting the server from disk
    (`v4rl serve-rollout` process stopped, a new one started, until /health_generate answers). Goal <= 0.25x.
