@@ -51,13 +51,56 @@ def test_native_sinkhorn_takes_non_contiguous_and_empty_inputs():
     assert sinkhorn(empty, 20, 1e-6).shape == (0, 4, 4)
 
 
-def test_gradients_and_other_dtypes_use_the_torch_ops():
-    comb = _matrices(3, 4, 4).requires_grad_()
-    assert not kernels.sinkhorn_applies(comb, sinkhorn_torch)
-    sinkhorn(comb, 20, 1e-6).sum().backward()
-    assert comb.grad is not None and torch.isfinite(comb.grad).all()
+@needs_compiler
+@pytest.mark.parametrize("shape", [(4, 4), (16, 40, 4, 4)])
+def test_native_sinkhorn_gradient_equals_autograd_of_the_torch_ops_bit_for_bit(shape):
+    comb = _matrices(*shape, seed=3).requires_grad_()
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    want = torch.autograd.grad(sinkhorn_torch(comb, 20, 1e-6), comb, grad_out)[0]
+    assert kernels.sinkhorn_applies(comb, sinkhorn_torch)
+    got = torch.autograd.grad(sinkhorn(comb, 20, 1e-6), comb, grad_out)[0]
+    assert torch.equal(got, want)
+    # through a non-contiguous upstream gradient and the rest of a graph as well
+    upstream = torch.randn(shape[:-2] + (4, 4)).transpose(-1, -2)
+    a = torch.autograd.grad((sinkhorn_torch(comb * 2, 20, 1e-6) * upstream).sum(), comb)[0]
+    b = torch.autograd.grad((sinkhorn(comb * 2, 20, 1e-6) * upstream).sum(), comb)[0]
+    assert torch.equal(a, b)
+
+
+@needs_compiler
+def test_the_first_check_may_happen_under_inference_mode_and_autocast():
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        comb = _matrices(2, 4, 4)
+        assert kernels.sinkhorn_applies(comb, sinkhorn_torch)
+        assert torch.equal(sinkhorn(comb, 20, 1e-6), sinkhorn_torch(comb, 20, 1e-6))
+
+
+def test_other_dtypes_and_shapes_use_the_torch_ops():
     assert not kernels.sinkhorn_applies(_matrices(3, 4, 4).double(), sinkhorn_torch)
     assert not kernels.sinkhorn_applies(_matrices(3, 4, 3), sinkhorn_torch)  # not square
+
+
+@needs_compiler
+def test_a_trainer_model_with_native_mhc_equals_stock_transformers(tiny_checkpoint):
+    """use_native_mhc (what the trainer and the bootstrap run) changes no logit and no gradient, under BF16 autocast."""
+    from checkpoints.hf import load_hf_checkpoint
+    from engines.train.hf_model import reference_from_native, use_native_mhc
+
+    cfg, native = load_hf_checkpoint(tiny_checkpoint)
+    stock = reference_from_native(cfg, {k: v.clone() for k, v in native.items()}).train()
+    patched = use_native_mhc(reference_from_native(cfg, {k: v.clone() for k, v in native.items()}).train(), cfg)
+    ids = torch.randint(3, cfg.vocab_size, (4, 19), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().log_softmax(-1)[..., 7].mean().backward()
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (a, grads_a), (b, grads_b) = step(stock), step(patched)
+    assert torch.equal(a, b)
+    assert grads_a.keys() == grads_b.keys() and any("hc" in k for k in grads_a)
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
 
 
 @needs_compiler

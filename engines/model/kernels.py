@@ -1,8 +1,12 @@
 """Native CPU kernels for the longest chains of tiny ops in our model, bit-identical to those ops.
 
-mHC's Sinkhorn normalisation is 117 torch ops per call on [..., 4, 4] matrices, and a decode step of
-the tiny model makes 9 calls: 40% of the step's ops, ~3 ms at 64 rows. `sinkhorn` runs the same
-float32 additions and divisions in the same order in C (kernels.c), one call per batch.
+mHC's Sinkhorn normalisation is 117 torch ops per call on [..., 4, 4] matrices (8 calls per token of the
+tiny model): 40% of a rollout decode step's ops and, with autograd's backward, 41% of a training step's.
+`sinkhorn` runs the same float32 additions and divisions in the same order in C (kernels.c), one call per
+batch, and its gradient is one more call that recomputes the forward steps and applies autograd's formulas
+in autograd's order, so results and gradients are bit-identical to the torch ops'. Our model uses it
+(engines/model/layers.py) and so does the trainer's transformers model (engines/train/hf_model.py
+`use_native_mhc`).
 
 The library is compiled from kernels.c with the system C compiler ($CC, default `cc`) on first use
 (about 0.1 s), cached as `<cache>/libv4rl_kernels-<hash>.so` (cache: $V4RL_KERNEL_CACHE, else
@@ -10,10 +14,10 @@ $XDG_CACHE_HOME/v4rl/kernels, else ~/.cache/v4rl/kernels; the hash covers the so
 and its flags) and loaded with ctypes, which releases the GIL during a call. The .so is written under a
 temporary name and renamed, so concurrent processes never load a half-written file.
 
-Before a kernel is used for matrices of a given size, it is compared with the torch ops on random
-inputs: any difference (another torch version may reduce in another order) or no usable compiler
-means the torch ops are used instead, with one warning that says why and how to fix it. Nothing
-changes numerically either way; only speed. V4RL_NATIVE_KERNELS=0 turns the kernels off.
+Before a kernel is used for matrices of a given size, it is compared with the torch ops (its gradient with
+autograd's) on random inputs: any difference (another torch version may reduce in another order) or no
+usable compiler means the torch ops are used instead, with one warning that says why and how to fix it.
+Nothing changes numerically either way; only speed. V4RL_NATIVE_KERNELS=0 turns the kernels off.
 
     from engines.model import kernels
     kernels.status()                 # {"enabled": True, "library": "...so", "error": None, "verified": {4: True}}
@@ -103,6 +107,9 @@ def _load() -> ctypes.CDLL | None:
                 lib.v4rl_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                               ctypes.c_float]
                 lib.v4rl_sinkhorn.restype = None
+                lib.v4rl_sinkhorn_backward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+                lib.v4rl_sinkhorn_backward.restype = ctypes.c_int
                 _library, _library_path = lib, path
             except (OSError, RuntimeError) as exc:
                 _error = str(exc)
@@ -126,11 +133,10 @@ def status() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- Sinkhorn
 def sinkhorn_applies(comb: torch.Tensor, reference: Callable[[torch.Tensor, int, float], torch.Tensor]) -> bool:
-    """Whether `sinkhorn` may replace `reference` (the torch ops) for these matrices: fp32 on the CPU, no
-    gradient wanted, the kernel built and checked bit-identical to `reference` for this matrix size."""
+    """Whether `sinkhorn` may replace `reference` (the torch ops) for these matrices: fp32 on the CPU and the
+    kernels built and checked bit-identical to `reference` for this matrix size, forward and gradient."""
     if (comb.dtype != torch.float32 or comb.device.type != "cpu" or comb.dim() < 2
-            or comb.shape[-1] != comb.shape[-2] or (comb.requires_grad and torch.is_grad_enabled())
-            or not enabled()):
+            or comb.shape[-1] != comb.shape[-2] or not enabled()):
         return False
     n = comb.shape[-1]
     if n not in _verified:
@@ -139,24 +145,59 @@ def sinkhorn_applies(comb: torch.Tensor, reference: Callable[[torch.Tensor, int,
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The kernel itself (call `sinkhorn_applies` first): a new tensor, `comb` is left as it was."""
-    out = comb.clone(memory_format=torch.contiguous_format)
+    """The kernel (call `sinkhorn_applies` first): a new tensor, `comb` left as it was; differentiable."""
+    if comb.requires_grad and torch.is_grad_enabled():
+        return _Sinkhorn.apply(comb, iters, eps)
+    return _sinkhorn_forward(comb, iters, eps)
+
+
+def _sinkhorn_forward(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    out = comb.detach().clone(memory_format=torch.contiguous_format)
     n = comb.shape[-1]
     if out.numel():
         _library.v4rl_sinkhorn(out.data_ptr(), out.numel() // (n * n), n, iters, eps)
     return out
 
 
+class _Sinkhorn(torch.autograd.Function):
+    """Native forward; native backward recomputing the forward steps from the saved input (no activations)."""
+
+    @staticmethod
+    def forward(ctx, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(comb)
+        ctx.iters, ctx.eps = iters, eps
+        return _sinkhorn_forward(comb, iters, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (comb,) = ctx.saved_tensors
+        comb, grad = comb.contiguous(), grad.to(torch.float32).contiguous()
+        out = torch.empty_like(comb)
+        n = comb.shape[-1]
+        if out.numel() and _library.v4rl_sinkhorn_backward(comb.data_ptr(), grad.data_ptr(), out.data_ptr(),
+                                                           out.numel() // (n * n), n, ctx.iters, ctx.eps) != 0:
+            raise MemoryError(f"v4rl_sinkhorn_backward could not allocate its scratch ({n}x{n}, {ctx.iters} iters)")
+        return out, None, None
+
+
 def _check_sinkhorn(n: int, reference: Callable[[torch.Tensor, int, float], torch.Tensor]) -> bool:
     g = torch.Generator().manual_seed(n)
-    for shape in ((1, n, n), (64, 1, n, n), (64, 29, n, n), (3, 257, n, n)):
-        comb = torch.softmax(3 * torch.randn(shape, generator=g), dim=-1) + 1e-6
-        for iters, eps in ((20, 1e-6), (3, 1e-3)):
-            want, got = reference(comb, iters, eps), sinkhorn(comb, iters, eps)
-            if not torch.equal(want, got):
-                bad = (want != got).sum().item()
-                log.warning("native sinkhorn differs from the torch ops for %dx%d matrices (%d of %d values, "
-                            "shape %s, iters %d): using the torch ops. Report this with your torch version (%s)",
-                            n, n, bad, want.numel(), tuple(shape), iters, torch.__version__)
-                return False
+    # The first use may come under inference_mode or autocast; the check needs autograd and plain fp32.
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        for shape in ((1, n, n), (64, 1, n, n), (64, 29, n, n), (3, 257, n, n)):
+            comb = (torch.softmax(3 * torch.randn(shape, generator=g), dim=-1) + 1e-6).requires_grad_()
+            grad_out = torch.randn(shape, generator=g)
+            for iters, eps in ((20, 1e-6), (3, 1e-3)):
+                want = reference(comb, iters, eps)
+                (want_grad,) = torch.autograd.grad(want, comb, grad_out)
+                got = sinkhorn(comb, iters, eps)
+                (got_grad,) = torch.autograd.grad(got, comb, grad_out)
+                for what, a, b in (("result", want, got), ("gradient", want_grad, got_grad)):
+                    if not torch.equal(a, b):
+                        log.warning("native sinkhorn's %s differs from the torch ops' for %dx%d matrices (%d of %d "
+                                    "values, shape %s, iters %d): using the torch ops. Report this with your torch "
+                                    "version (%s)", what, n, n, (a != b).sum().item(), a.numel(), tuple(shape), iters,
+                                    torch.__version__)
+                        return False
     return True

@@ -32,7 +32,7 @@ from engines.model import DeepseekV4, ModelConfig
 from engines.presets import tiny_cpu_model_config
 from engines.rollout.sampling import SamplingParams, generate
 from engines.tokenizer import build_tokenizer
-from engines.train.hf_model import build_reference_model, native_from_reference
+from engines.train.hf_model import build_reference_model, native_from_reference, use_native_mhc
 from engines.train.storage import storage_round_trip
 from rl.math_task import format_answer, make_splits
 from rl.passk import mean_pass_at_k
@@ -124,7 +124,7 @@ def _bootstrap(out_dir: Path, config: BootstrapConfig, log) -> dict:
     examples = [([tokenizer.bos_token_id] + _encode(tokenizer, r["prompt"]),
                  _encode(tokenizer, format_answer(r["label"])) + [tokenizer.eos_token_id]) for r in train_rows]
 
-    model = build_reference_model(cfg, seed=config.seed).train()
+    model = use_native_mhc(build_reference_model(cfg, seed=config.seed).train(), cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     order = random.Random(config.seed)
     history: list[EvalResult] = []

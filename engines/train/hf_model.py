@@ -7,15 +7,19 @@ carries signal, and converts between its state dict and native names (checkpoint
     model = build_reference_model(cfg, seed=0)              # random, every path live
     model = reference_from_native(cfg, native_state)        # given weights, fp32
     native = native_from_reference(model)
+    use_native_mhc(model, cfg)                              # same numbers, mHC's Sinkhorn as native kernels
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from checkpoints.names import native_to_transformers, transformers_to_native
 from engines.model.config import ModelConfig
+from engines.model.layers import hc_weights
 
 
 def hf_config(cfg: ModelConfig) -> DeepseekV4Config:
@@ -78,3 +82,19 @@ def native_from_reference(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tenso
     cfg = ModelConfig.from_hf_dict(model.config.to_dict())
     state = {k: v.detach() for k, v in model.state_dict().items() if "rotary_emb" not in k}
     return transformers_to_native(state, cfg)
+
+
+def use_native_mhc(model: DeepseekV4ForCausalLM, cfg: ModelConfig) -> DeepseekV4ForCausalLM:
+    """Compute every mHC weight set (transformers' `DeepseekV4HyperConnection`) with our `hc_weights`: the same
+    ops, except that the Sinkhorn normalisation, 41% of a training step's ops, runs as native kernels whose
+    results and gradients equal the torch ops' bit for bit (engines/model/kernels.py; where they are not
+    available the torch ops run). Outputs, gradients and so every training result are unchanged
+    (tests/test_kernels.py compares a patched and a stock model); only speed differs. Returns the model."""
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV4HyperConnection":
+            module.forward = functools.partial(_hyper_connection, module, cfg)
+    return model
+
+
+def _hyper_connection(module: torch.nn.Module, cfg: ModelConfig, hidden_streams: torch.Tensor):
+    return hc_weights(hidden_streams, module.fn, module.base, module.scale, cfg)

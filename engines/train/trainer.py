@@ -8,7 +8,8 @@ with transformers' DynamicCache, expands the cache to one row per sample (`reord
 with the responses, so a group of n costs one prompt plus n responses instead of n full sequences, with
 the same logprobs and gradients (autograd flows back through the cache). Micro-batches hold prompts of one
 length and stay within `max_tokens_per_gpu` (prompt + padded response tokens). The model cannot pack
-unrelated sequences into one row: its compressors would pool across the boundary.
+unrelated sequences into one row: its compressors would pool across the boundary. mHC's Sinkhorn runs as
+native kernels (hf_model.use_native_mhc): the same results and gradients, bit for bit, in fewer ops.
 
     trainer = Trainer.from_native(cfg, native_state, TrainerConfig(lr=1e-4))
     metrics = trainer.grpo_step(samples, grpo_config)
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.model.config import ModelConfig
-from engines.train.hf_model import native_from_reference, reference_from_native
+from engines.train.hf_model import native_from_reference, reference_from_native, use_native_mhc
 
 
 @dataclass(kw_only=True)
@@ -150,7 +151,7 @@ def _token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> 
 
 class Trainer:
     def __init__(self, model, cfg: ModelConfig, config: TrainerConfig) -> None:
-        self.model = model.float().train()
+        self.model = use_native_mhc(model.float().train(), cfg)
         self.cfg, self.config = cfg, config
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
