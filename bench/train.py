@@ -13,7 +13,8 @@ batch), gradient clipping and the AdamW step (the optimizer step is on both side
                 and continues every sample's response from the prompt's cache (expanded per sample), within
                 max_tokens_per_gpu (prompts + padded responses); same logprobs and gradients as full sequences
                 (tests/test_trainer.py). True packing is impossible with DeepSeek-V4's compressors in
-                transformers: they pool across row positions.
+                transformers: they pool across row positions. mHC's Sinkhorn and its gradient run as native
+                kernels (engines/train/hf_model.py use_native_mhc; bit-identical results).
   transformers  the usual padded recipe: samples in rollout order, a fixed batch size chosen so that a padded
                 batch of the longest sample fills the same token budget, each batch right-padded to its
                 longest sample (dynamic padding) with an attention mask, loss masked to the response tokens
@@ -43,7 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from bench import load_average, machine_info  # noqa: E402
+from bench import load_average, machine_info, native_kernels  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO_ROOT / "tests" / "assets" / "tiny-base"
@@ -127,6 +128,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
                 "interleaved (ours, transformers) run pairs; both sides in one process, same thread count",
     }
     result["machine"]["load_avg_1m_at_end"] = load_average()
+    result["native_kernels"] = native_kernels()
     result["goals"] = {"tokens_per_s_vs_transformers_padded": {"goal": f">= {GOAL}x", "value": speedup,
                                                                 "met": speedup >= GOAL}}
     json_out.parent.mkdir(parents=True, exist_ok=True)
