@@ -75,6 +75,12 @@ def test_the_first_check_may_happen_under_inference_mode_and_autocast():
         assert torch.equal(sinkhorn(comb, 20, 1e-6), sinkhorn_torch(comb, 20, 1e-6))
 
 
+def test_zero_iterations_use_the_torch_ops():  # the torch loop still normalises the columns once
+    comb = _matrices(3, 4, 4)
+    assert torch.equal(sinkhorn(comb, 0, 1e-6), sinkhorn_torch(comb, 0, 1e-6))
+    assert not torch.equal(sinkhorn(comb, 0, 1e-6), comb)
+
+
 def test_other_dtypes_and_shapes_use_the_torch_ops():
     assert not kernels.sinkhorn_applies(_matrices(3, 4, 4).double(), sinkhorn_torch)
     assert not kernels.sinkhorn_applies(_matrices(3, 4, 3), sinkhorn_torch)  # not square

@@ -95,7 +95,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     One native call where kernels.py has its bit-identical kernel (117 torch ops fewer per call), else the
     torch ops of `sinkhorn_torch`.
     """
-    if kernels.sinkhorn_applies(comb, sinkhorn_torch):
+    if iters >= 1 and kernels.sinkhorn_applies(comb, sinkhorn_torch):  # the kernels assume one step at least
         return kernels.sinkhorn(comb, iters, eps)
     return sinkhorn_torch(comb, iters, eps)
 
