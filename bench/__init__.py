@@ -22,9 +22,3 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "load_avg_1m_at_start": load_average()}
 
-
-def native_kernels() -> dict[str, Any]:
-    """Whether our model ran its native kernels (engines/model/kernels.py) in this process."""
-    from engines.model import kernels
-
-    return kernels.status()

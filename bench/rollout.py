@@ -48,7 +48,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench import load_average, machine_info, native_kernels  # noqa: E402
+from bench import load_average, machine_info  # noqa: E402
+from engines.model import kernels  # noqa: E402
 
 BATCH, NEW_TOKENS = 64, 32
 THREAD_SETTINGS = (1, None)
@@ -68,7 +69,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, repeats: int = 3) -> 
         result["decode_step"] = _decode_step_breakdown(model_dir, prompts, BATCH * NEW_TOKENS / hf_one_thread)
         result["update"] = _update_latency(model_dir, Path(tmp), repeats)
     result["machine"]["load_avg_1m_at_end"] = load_average()
-    result["native_kernels"] = native_kernels()
+    result["native_kernels"] = kernels.status()
     result["goals"] = {
         "throughput_vs_transformers": {"goal": f">= {THROUGHPUT_GOAL}x", "value": result["throughput"]["speedup_http"],
                                        "met": result["throughput"]["speedup_http"] >= THROUGHPUT_GOAL},

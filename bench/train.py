@@ -44,7 +44,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from bench import load_average, machine_info, native_kernels  # noqa: E402
+from bench import load_average, machine_info  # noqa: E402
+from engines.model import kernels  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO_ROOT / "tests" / "assets" / "tiny-base"
@@ -128,7 +129,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
                 "interleaved (ours, transformers) run pairs; both sides in one process, same thread count",
     }
     result["machine"]["load_avg_1m_at_end"] = load_average()
-    result["native_kernels"] = native_kernels()
+    result["native_kernels"] = kernels.status()
     result["goals"] = {"tokens_per_s_vs_transformers_padded": {"goal": f">= {GOAL}x", "value": speedup,
                                                                 "met": speedup >= GOAL}}
     json_out.parent.mkdir(parents=True, exist_ok=True)

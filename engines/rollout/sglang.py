@@ -104,6 +104,7 @@ class SGLangClient:
         self.timeout, self.generate_timeout, self.update_timeout = timeout, generate_timeout, update_timeout
         self.connect_retries, self.backoff_s, self.max_backoff_s = connect_retries, backoff_s, max_backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport
         self._http = httpx.Client(base_url=self.base_url, headers=headers, transport=transport, timeout=timeout)
 
     def close(self) -> None:
@@ -197,18 +198,15 @@ class SGLangClient:
     def requires_api_key(self) -> bool:
         """Whether the server refuses GET /model_info without our Authorization header (401/403): SGLang's and our
         server's answer when started with --api-key; 2xx means anyone who reaches the port may call it."""
-        request = self._http.build_request("GET", "/model_info", timeout=self.timeout)
-        request.headers.pop("Authorization", None)
-        try:
-            resp = self._http.send(request)
-        except httpx.TimeoutException as exc:
-            raise SGLangTimeout(f"GET {request.url}: no answer within {self.timeout}s") from exc
-        except httpx.HTTPError as exc:
-            raise SGLangConnectionError(f"GET {request.url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code in (401, 403):
-            return True
-        if resp.status_code >= 400:
-            raise SGLangHTTPError("GET", str(request.url), resp.status_code, _decode(resp))
+        with SGLangClient(self.base_url, timeout=self.timeout, connect_retries=self.connect_retries,
+                          backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
+                          transport=self._transport) as anonymous:
+            try:
+                anonymous.model_info()
+            except SGLangHTTPError as exc:
+                if exc.status in (401, 403):
+                    return True
+                raise
         return False
 
     def model_info(self) -> dict[str, Any]:
