@@ -51,7 +51,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     RequestSpec,
     UpdateResult,
 )
-from engines.rollout.sampling import sample_tokens
+from engines.rollout.sampling import UniformStream, sample_rows
 from engines.rollout.weights import (
     RawTensor,
     WeightStore,
@@ -72,7 +72,7 @@ class _Request:
 
     def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future) -> None:
         self.spec, self.stop_ids, self.future = spec, stop_ids, future
-        self.generator = torch.Generator().manual_seed(spec.seed % (2**63))
+        self.stream = UniformStream(torch.Generator().manual_seed(spec.seed % (2**63)))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top: list[list[tuple[float, int]]] = []
@@ -92,8 +92,9 @@ class _Request:
 class _PrefixEntry:
     cache: SequenceCache
     last_logits: torch.Tensor
-    token_logprobs: list[float]
-    """logprob of token i given tokens < i, for i = 1 .. len-1."""
+    token_logprobs: list[float] | None
+    """logprob of token i given tokens < i, for i = 1 .. len-1; None when no request asked for prompt logprobs
+    (the prefill then skips the vocabulary projection of every position but the last)."""
 
 
 @dataclass
@@ -112,6 +113,7 @@ class RolloutEngine:
         self.store = WeightStore.from_dir(self.model_dir)
         self.cfg = self.store.cfg
         self.model = prepare_runtime_model(self.cfg, DTYPES[self.config.dtype])
+        self.model.fused_kernels = True  # checked against the torch ops before first use (engines/model/fused_model.py)
         rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz)  # the cold-start path
         self.tokenizer = _load_tokenizer(self.model_dir)
         eos = self.cfg.eos_token_id
@@ -360,15 +362,20 @@ class RolloutEngine:
     def _prefill(self, reqs: list[_Request]) -> None:
         hits: dict[tuple[int, ...], _PrefixEntry] = {}
         tops: dict[tuple[int, ...], int] = {}
+        scored: set[tuple[int, ...]] = set()
         for r in reqs:
             key = tuple(r.sequence)
             wants_top = r.spec.top_logprobs_num if r.input_logprobs is None else 0
-            if key in self._prefix and not wants_top:
-                hits[key] = self._prefix[key]
+            wants_logprobs = r.input_logprobs is None and _wants_prompt_logprobs(r.spec)
+            cached = self._prefix.get(key)
+            if cached is not None and not wants_top and (cached.token_logprobs is not None or not wants_logprobs):
+                hits[key] = cached
                 self._prefix.move_to_end(key)
             else:
                 tops[key] = max(tops.get(key, 0), wants_top)
-        fresh = self._prefill_sequences(tops)
+                if wants_logprobs or wants_top:
+                    scored.add(key)
+        fresh = self._prefill_sequences(tops, scored)
         seen: set[tuple[int, ...]] = set()
         started: list[tuple[_Request, SequenceCache]] = []
         for r in reqs:
@@ -393,23 +400,25 @@ class RolloutEngine:
                 self._batch.extend(rows)
             self._running.extend(r for r, _ in started)
 
-    def _prefill_sequences(self, tops: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], tuple[_PrefixEntry, Any]]:
-        """Prefill each distinct sequence once (equal lengths batched); `tops`: sequence -> top-k wanted."""
+    def _prefill_sequences(self, tops: dict[tuple[int, ...], int], scored: set[tuple[int, ...]]
+                           ) -> dict[tuple[int, ...], tuple[_PrefixEntry, Any]]:
+        """Prefill each distinct sequence once (same lengths and same need for prompt logprobs batched); `tops`:
+        sequence -> top-k wanted; `scored`: the sequences whose prompt logprobs a request wants."""
         out: dict[tuple[int, ...], tuple[_PrefixEntry, Any]] = {}
-        by_len: dict[int, list[tuple[int, ...]]] = {}
+        groups: dict[tuple[int, bool], list[tuple[int, ...]]] = {}
         for k in tops:
-            by_len.setdefault(len(k), []).append(k)
-        for group in by_len.values():
+            groups.setdefault((len(k), k in scored), []).append(k)
+        for (_, all_logits), group in groups.items():
             for i in range(0, len(group), PREFILL_CHUNK):
                 chunk = group[i:i + PREFILL_CHUNK]
                 ids = torch.tensor(chunk, dtype=torch.long)
-                logits, caches = self.model.prefill(ids)
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                token_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
+                logits, caches = self.model.prefill(ids, all_logits=all_logits)
+                logp = torch.log_softmax(logits.float(), dim=-1) if all_logits else None
+                token_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist() if all_logits else None
                 for j, key in enumerate(chunk):
                     k = tops.get(key, 0)
                     top = _topk_rows(logp[j, :-1], k) if k else None
-                    entry = _PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j])
+                    entry = _PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j] if all_logits else None)
                     out[key] = (entry, top)
                     self._remember(key, entry)
                 self._stats["prefill_tokens"] += ids.numel()
@@ -423,13 +432,13 @@ class RolloutEngine:
         while len(self._prefix) > self.config.prefix_cache_entries:
             self._prefix.popitem(last=False)
 
-    def _set_input_logprobs(self, r: _Request, token_lp: list[float], top: list | None) -> None:
+    def _set_input_logprobs(self, r: _Request, token_lp: list[float] | None, top: list | None) -> None:
         n = len(r.spec.input_ids)
         if not r.spec.return_logprob:
             r.input_logprobs = []
             return
         start = r.spec.logprob_start_len if r.spec.logprob_start_len >= 0 else n - 1
-        r.input_logprobs = [None] + token_lp[start:n - 1]
+        r.input_logprobs = [None] + (token_lp[start:n - 1] if start < n - 1 else [])
         if r.spec.top_logprobs_num:
             r.input_top = [None] + (top[start:n - 1] if top is not None else [])
 
@@ -438,18 +447,16 @@ class RolloutEngine:
     def _decode_step(self) -> None:
         rows = self._running
         logits = torch.stack([r.next_logits for r in rows])
-        raw = torch.log_softmax(logits.float(), dim=-1)
-        for i, r in enumerate(rows):
-            if len(r.output_ids) < r.spec.min_new_tokens and r.stop_ids:
-                logits[i] = logits[i].index_fill(0, torch.tensor(sorted(r.stop_ids)), float("-inf"))
-        tokens = sample_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows])
-        token_logprobs = raw.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        banned = {i: sorted(r.stop_ids) for i, r in enumerate(rows)
+                  if len(r.output_ids) < r.spec.min_new_tokens and r.stop_ids}
+        tokens, token_logprobs = sample_rows(logits, [r.spec.sampling for r in rows], [r.stream for r in rows], banned)
         keep: list[_Request] = []
         for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.output_ids.append(tok)
             r.output_logprobs.append(token_logprobs[i])
             if r.spec.top_logprobs_num:
-                r.output_top.append(_topk_rows(raw[i:i + 1], r.spec.top_logprobs_num)[0])
+                raw = torch.log_softmax(logits[i:i + 1].float(), dim=-1)
+                r.output_top.append(_topk_rows(raw, r.spec.top_logprobs_num)[0])
             self._stats["generated_tokens"] += 1
             reason = self._finish_reason(r, tok)
             if reason is None:
@@ -536,6 +543,11 @@ class RolloutEngine:
         self._stats["weight_updates"] += 1
         if version is not None:
             self.weight_version = str(version)
+
+
+def _wants_prompt_logprobs(spec: RequestSpec) -> bool:
+    """Whether a request returns any prompt-token logprob (SGLang: from logprob_start_len; -1 means none)."""
+    return spec.return_logprob and 0 <= spec.logprob_start_len < len(spec.input_ids) - 1
 
 
 def _topk_rows(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
