@@ -216,6 +216,7 @@ def _decode_step_breakdown(model_dir: Path, prompts: list[list[int]], hf_generat
     try:
         with torch.inference_mode():
             ours_model, reference = load_ours(model_dir), load_reference(model_dir)
+            ours_model.fused_kernels = True  # as the rollout engine runs it
 
             def generation() -> None:
                 batch = DecodeBatch.from_caches(ours_model.cfg, ours_model.prefill(ids)[1])

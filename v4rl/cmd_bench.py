@@ -1,4 +1,8 @@
-"""`v4rl bench convert|rollout|train --json OUT`: side-by-side benchmarks (bench/), JSON out."""
+"""`v4rl bench convert|rollout|train --json OUT`: side-by-side benchmarks (bench/), JSON out.
+
+`v4rl bench rollout --config-sweep --json OUT` runs the rollout bench over several DeepSeek-V4 shapes instead
+(bench/rollout_sweep.py).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,27 @@ from pathlib import Path
 import typer
 
 BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train"}
+SWEEPS = {"rollout": "bench.rollout_sweep"}
+"""Benchmarks with a --config-sweep variant."""
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(name: str = typer.Argument(..., help=f"One of {', '.join(BENCHES)}."),
-              json_out: Path = typer.Option(..., "--json", help="Where to write the results.")) -> None:
+              json_out: Path = typer.Option(..., "--json", help="Where to write the results."),
+              config_sweep: bool = typer.Option(False, "--config-sweep",
+                                                help="rollout only: several DeepSeek-V4 shapes instead of tiny-cpu "
+                                                     "(writes a PNG beside the JSON).")) -> None:
         """Run a side-by-side benchmark against its named peer; ratios measured in the same run."""
         if name not in BENCHES:
             raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
+        if config_sweep and name not in SWEEPS:
+            raise typer.BadParameter(f"--config-sweep applies to {sorted(SWEEPS)} only, not {name!r}")
+        target = SWEEPS[name] if config_sweep else BENCHES[name]
         try:
-            module = importlib.import_module(BENCHES[name])
+            module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
-            if exc.name != BENCHES[name]:
+            if exc.name != target:
                 raise
             typer.secho(f"benchmark {name!r} is not built yet", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
