@@ -81,8 +81,8 @@ void v4rl_hc_pre(const float *streams, i64 B, i64 hc, i64 D, const float *fn_pac
 }
 
 /* New streams after a block (layers.hc_merge): out[b,s,:] = post[b,s] * y[b,:] + sum_t comb[b,t,s] * streams[b,t,:]. */
-void v4rl_hc_post(const float *streams, i64 B, i64 hc, i64 D, const float *y, const float *post, const float *comb,
-                  float *out) {
+void v4rl_hc_post(const float *restrict streams, i64 B, i64 hc, i64 D, const float *restrict y,
+                  const float *restrict post, const float *restrict comb, float *restrict out) {
     for (i64 b = 0; b < B; b++) {
         const float *st = streams + b * hc * D, *yb = y + b * D, *cm = comb + b * hc * hc;
         for (i64 s = 0; s < hc; s++) {

@@ -20,29 +20,74 @@ static void run_tasks(pool_t *p, int worker) {
     }
 }
 
-typedef struct { pool_t *pool; int worker; } worker_arg_t;
+/* Workers live for the process and sleep on a condition variable between jobs (starting threads per call cost
+ * ~20 us each, more than many kernels). One job at a time: a caller that finds the pool busy (another engine
+ * in the process) runs its tasks alone. After fork() the child starts with no workers. */
+static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_busy, pool_started, pool_wanted, pool_finished;
+static i64 pool_generation;
+static pool_t *pool_job;
 
 static void *pool_worker(void *arg) {
-    worker_arg_t *w = (worker_arg_t *)arg;
-    run_tasks(w->pool, w->worker);
+    int worker = (int)(intptr_t)arg;
+    i64 seen = 0;
+    pthread_mutex_lock(&pool_mutex);
+    for (;;) {
+        while (pool_generation == seen) pthread_cond_wait(&pool_work, &pool_mutex);
+        seen = pool_generation;
+        if (worker >= pool_wanted) continue;
+        pool_t *job = pool_job;
+        pthread_mutex_unlock(&pool_mutex);
+        run_tasks(job, worker);
+        pthread_mutex_lock(&pool_mutex);
+        if (++pool_finished == pool_wanted - 1) pthread_cond_signal(&pool_done);
+    }
     return NULL;
 }
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_mutex, NULL);
+    pthread_cond_init(&pool_work, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    pool_busy = pool_started = pool_wanted = pool_finished = 0;
+}
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
 
 /* Runs fn(ctx, t, worker) for t in [0, n_tasks) on up to `threads` threads (the caller is worker 0, the others
  * 1, 2, ...); tasks are handed out dynamically, so each must write outputs of its own. */
 void parallel_for(int threads, i64 n_tasks, void (*fn)(void *, i64, int), void *ctx) {
     pool_t p = {fn, ctx, n_tasks, 0};
-    pthread_t th[MAX_THREADS];
-    worker_arg_t args[MAX_THREADS];
-    int started = 0, extra = threads - 1;
-    if (extra > n_tasks - 1) extra = (int)(n_tasks - 1);
-    if (extra > MAX_THREADS - 1) extra = MAX_THREADS - 1;
-    for (int i = 0; i < extra; i++) {
-        args[started] = (worker_arg_t){&p, started + 1};
-        if (pthread_create(&th[started], NULL, pool_worker, &args[started]) == 0) started++;
+    int wanted = threads < n_tasks ? threads : (int)n_tasks;
+    if (wanted > MAX_THREADS) wanted = MAX_THREADS;
+    pthread_once(&pool_once, pool_init);
+    pthread_mutex_lock(&pool_mutex);
+    if (wanted <= 1 || pool_busy) {
+        pthread_mutex_unlock(&pool_mutex);
+        run_tasks(&p, 0);
+        return;
     }
+    while (pool_started < wanted - 1) {  /* grow the pool; a thread that cannot start just leaves fewer workers */
+        pthread_t th;
+        if (pthread_create(&th, NULL, pool_worker, (void *)(intptr_t)(pool_started + 1)) != 0) break;
+        pthread_detach(th);
+        pool_started++;
+    }
+    if (wanted > pool_started + 1) wanted = pool_started + 1;
+    pool_busy = 1;
+    pool_job = &p;
+    pool_wanted = wanted;
+    pool_finished = 0;
+    pool_generation++;
+    pthread_cond_broadcast(&pool_work);
+    pthread_mutex_unlock(&pool_mutex);
     run_tasks(&p, 0);
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    pthread_mutex_lock(&pool_mutex);
+    while (pool_finished < pool_wanted - 1) pthread_cond_wait(&pool_done, &pool_mutex);
+    pool_busy = 0;
+    pthread_mutex_unlock(&pool_mutex);
 }
 
 /* Scratch memory that stays mapped between calls of one thread (a fresh malloc of a few MB is a fresh mmap, and
