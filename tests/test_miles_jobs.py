@@ -31,15 +31,19 @@ def test_flag_edits_keep_values_and_negative_numbers():
 
 
 def test_segment_eval_only_and_align_jobs():
-    seg = segment_argv(TRAIN, until=20)
+    seg = segment_argv(TRAIN, until=20, eval_interval=5)
     assert flag_values(seg, "--num-rollout") == ["20"] and flag_values(seg, "--skip-eval-before-train") == []
-    assert flag_values(seg, "--load") == ["/save"] and flag_values(seg, "--eval-interval") == ["10"]
+    assert flag_values(seg, "--load") == ["/save"] and flag_values(seg, "--eval-interval") == ["5"]
+    assert flag_values(seg, "--log-passrate") == []  # pass@k is logged only with it
 
-    base = eval_only_argv(TRAIN, load=None)  # step 0: Miles falls back to --ref-load
+    base = eval_only_argv(TRAIN)  # step 0: Miles falls back to --ref-load
     assert flag_values(base, "--num-rollout") == ["0"] and flag_values(base, "--load") is None
     assert flag_values(base, "--save") is None and flag_values(base, "--eval-prompt-data") == ["aime",
                                                                                                 "/data/aime-2024.jsonl"]
-    assert flag_values(eval_only_argv(TRAIN, load="/save"), "--load") == ["/save"]
+    assert flag_values(base, "--ref-load") == ["/ckpt/torch_dist"] and flag_values(base, "--log-passrate") == []
+    later = eval_only_argv(TRAIN, checkpoint_dir="/save", iteration=19)  # step 20: iter_0000019, tracker untouched
+    assert (flag_values(later, "--ref-load"), flag_values(later, "--ref-ckpt-step")) == (["/save"], ["19"])
+    assert flag_values(later, "--load") is None
 
     gate = align_argv(TRAIN, rollout_data="/shared/rollout_data/{rollout_id}.pt",
                       train_dump="/shared/train_data/{rollout_id}_{rank}.pt", n_prompts=16)
@@ -59,6 +63,8 @@ def test_jobs_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="no --save/--load"):
         segment_argv(without_flags(TRAIN, ["--save"]), until=10)
     with pytest.raises(ValueError, match="no --eval-prompt-data"):
-        eval_only_argv(without_flags(TRAIN, ["--eval-prompt-data"]), load=None)
+        eval_only_argv(without_flags(TRAIN, ["--eval-prompt-data"]))
+    with pytest.raises(ValueError, match="both checkpoint_dir and iteration"):
+        eval_only_argv(TRAIN, checkpoint_dir="/save")
     with pytest.raises(ValueError, match="needs {rollout_id}"):
         align_argv(TRAIN, rollout_data="/shared/r.pt", train_dump="/shared/{rollout_id}_{rank}.pt", n_prompts=4)

@@ -17,8 +17,10 @@ on the cluster path the gate is:
      writes the same report keys as the CPU gate (engines/align/report.py), `first_divergence` None: the
      layer-by-layer localisation needs both models on one host (the CPU gate on a smaller checkpoint does it).
 
-`cluster_align` runs 1-4 given a client and a function that runs a Miles job (on the cluster: `gpu`). On CPU
-the tests drive every step but Megatron's forward against Miles' own code (tests/conformance/).
+`gate_batch` runs 1-2 given an SGLang client, `score_batch` 3-4 given a function that runs a Miles job (on the
+cluster: `gpu`; engines/train/miles/pipeline.py `align_gate` wires both, with the SGLang server stopped before
+Megatron starts). On CPU the tests drive every step but Megatron's forward against Miles' own code
+(tests/conformance/test_miles_readback.py).
 """
 
 from __future__ import annotations
@@ -145,29 +147,31 @@ def cluster_report(samples: Sequence[dict[str, Any]], trainer_lp: list[list[floa
             "inputs": inputs, "seconds": seconds}
 
 
-def cluster_align(client: Any, prompts: Sequence[Sequence[int]], config: AlignConfig, *, shared_dir: str | Path,
-                  n_samples_per_prompt: int, run_align_job: Callable[[str, str], Any],
-                  decode: Callable[[list[int]], str] | None = None, labels: Sequence[str] | None = None,
-                  inputs: dict[str, str] | None = None, engines: dict[str, str] | None = None,
-                  log: Callable[[str], None] = lambda message: None) -> dict:
-    """Steps 1-4 of the module docstring. `run_align_job(rollout_data_template, train_dump_template)` runs Miles'
-    train-only job (jobs.align_argv) and returns when it finished; `shared_dir` is read by every node."""
-    t0 = time.perf_counter()
+def gate_batch(client: Any, prompts: Sequence[Sequence[int]], config: AlignConfig, *, shared_dir: str | Path,
+               n_samples_per_prompt: int, decode: Callable[[list[int]], str] | None = None,
+               labels: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Steps 1-2: SGLang generates, the batch is written as Miles' rollout-data file under `shared_dir` (read by
+    every node of the job); stale dumps of an earlier attempt are removed. Returns the samples written."""
     shared = Path(shared_dir)
-    log(f"generating {len(prompts)} prompts x {n_samples_per_prompt} samples on SGLang")
     groups = sglang_rollouts(client, prompts, n=n_samples_per_prompt, temperature=config.temperature,
                              max_new_tokens=config.max_new_tokens, seed=config.seed)
     samples = miles_samples(groups, decode=decode, labels=labels)
     write_rollout_data(shared / ROLLOUT_DATA.format(rollout_id=0), samples)
     for stale in (shared / TRAIN_DUMP).parent.glob("0_*.pt"):
         stale.unlink()  # dumps of an earlier attempt must not be read as this batch's
-    t_gen = time.perf_counter()
-    log(f"rescoring {sum(s['response_length'] for s in samples)} tokens with Megatron through Miles")
+    return samples
+
+
+def score_batch(samples: list[dict[str, Any]], config: AlignConfig, *, shared_dir: str | Path,
+                run_align_job: Callable[[str, str], Any], inputs: dict[str, str] | None = None,
+                engines: dict[str, str] | None = None, seconds: dict[str, float] | None = None) -> dict:
+    """Steps 3-4: `run_align_job(rollout_data_template, train_dump_template)` runs Miles' train-only job
+    (jobs.align_argv) and returns when it finished; then the dumps are read and the batch gated."""
+    shared = Path(shared_dir)
+    t0 = time.perf_counter()
     run_align_job(str(shared / ROLLOUT_DATA), str(shared / TRAIN_DUMP))
     trainer_lp = read_train_dumps((shared / TRAIN_DUMP).parent, samples)
-    t_score = time.perf_counter()
-    return cluster_report(samples, trainer_lp, config, inputs=inputs or {}, engines=engines or {
+    timing = {**(seconds or {}), "rescore": round(time.perf_counter() - t0, 3)}
+    return cluster_report(samples, trainer_lp, config, inputs=inputs or {}, seconds=timing, engines=engines or {
         "rollout": "SGLang (the cluster's server), HF checkpoint as stored",
-        "trainer": "Megatron through Miles' train-only debug run, --ref-load = the converted torch_dist"},
-        seconds={"generate": round(t_gen - t0, 3), "rescore": round(t_score - t_gen, 3),
-                 "total": round(t_score - t0, 3)})
+        "trainer": "Megatron through Miles' train-only debug run, --ref-load = the converted torch_dist"})

@@ -4,8 +4,11 @@
                   the last rollout of every job (train.py `should_run_periodic_action(..., num_rollout)`), so
                   each segment ends on a checkpoint; `--skip-eval-before-train`: the step a job starts at was
                   already evaluated (by the previous job, or by the eval-only job of step 0)
-  eval_only_argv  `--num-rollout 0` with the eval flags: train.py's "eval-only" case loads the checkpoint
-                  (--load, else --ref-load), pushes it to SGLang and runs Miles' evaluation once (`eval 0`)
+  eval_only_argv  `--num-rollout 0` with the eval flags: train.py's "eval-only" case loads a checkpoint (as a
+                  reference: --ref-load, with --ref-ckpt-step for a saved iteration), pushes it to SGLang and
+                  runs Miles' evaluation once (`eval 0`)
+
+Both evaluate with `--log-passrate`: without it Miles logs no `eval/<dataset>-pass@k` at all.
   align_argv      a train-only debug run of one saved rollout batch (the cluster alignment gate):
                   `--load-debug-rollout-data F` (Miles then sets --debug-train-only: no SGLang engines),
                   `--save-debug-train-data D` (every rank dumps its batch with Megatron's recomputed
@@ -72,23 +75,31 @@ def with_flags(argv: Sequence[str], **flags: str | int | Sequence[str] | bool) -
     return out
 
 
-def segment_argv(train_argv: Sequence[str], *, until: int) -> list[str]:
-    """The training job trained up to rollout `until` (exclusive), evaluation before training skipped."""
+def segment_argv(train_argv: Sequence[str], *, until: int, eval_interval: int | None = None) -> list[str]:
+    """The training job trained up to rollout `until` (exclusive), evaluation before training skipped; with
+    `eval_interval` Miles evaluates every that many rollouts (segments that end on one end on an evaluation)."""
     if until < 1:
         raise ValueError(f"a training segment must end at rollout >= 1 (--num-rollout), got {until}")
     if flag_values(train_argv, "--save") is None or flag_values(train_argv, "--load") is None:
         raise ValueError("the training job has no --save/--load: segments resume through them; build the job with "
                          "a save directory (MilesJob.save_dir)")
-    return with_flags(train_argv, num_rollout=until, skip_eval_before_train=True)
+    cadence = {"eval_interval": eval_interval} if eval_interval and flag_values(train_argv, "--eval-interval") else {}
+    return with_flags(train_argv, num_rollout=until, skip_eval_before_train=True, log_passrate=True, **cadence)
 
 
-def eval_only_argv(train_argv: Sequence[str], *, load: str | None) -> list[str]:
-    """Miles' evaluation of one checkpoint: `load` (a save dir whose tracker names it), or --ref-load when None."""
+def eval_only_argv(train_argv: Sequence[str], *, checkpoint_dir: str | None = None,
+                   iteration: int | None = None) -> list[str]:
+    """Miles' evaluation of one checkpoint: --ref-load (step 0) when `checkpoint_dir` is None, else iteration
+    `iteration` of a save directory, loaded as Miles loads a reference (`--ref-load DIR --ref-ckpt-step N`, no
+    --load: arguments.py:3047-3058), so no tracker is read or changed."""
     if flag_values(train_argv, "--eval-prompt-data") is None and flag_values(train_argv, "--eval-config") is None:
         raise ValueError("the training job has no --eval-prompt-data: Miles has nothing to evaluate on; give the "
                          "eval dataset (eval_data) to the job")
-    argv = without_flags(train_argv, CHECKPOINT_FLAGS + ("--skip-eval-before-train", "--num-epoch"))
-    return with_flags(argv, num_rollout=0, **({"load": load} if load else {}))
+    if (checkpoint_dir is None) != (iteration is None):
+        raise ValueError("give both checkpoint_dir and iteration (a saved iter_XXXXXXX), or neither for --ref-load")
+    argv = without_flags(train_argv, CHECKPOINT_FLAGS + ("--skip-eval-before-train", "--num-epoch", "--ref-ckpt-step"))
+    where = {"ref_load": checkpoint_dir, "ref_ckpt_step": iteration} if checkpoint_dir is not None else {}
+    return with_flags(argv, num_rollout=0, log_passrate=True, **where)
 
 
 def align_argv(train_argv: Sequence[str], *, rollout_data: str, train_dump: str, n_prompts: int) -> list[str]:
