@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
 
 
-
 @dataclass
 class MilesOutcome:
     """How a Miles run ended."""
