@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from engines.train.miles.command import parse_flags
+
 CHECKPOINT_FLAGS = ("--load", "--save", "--save-interval", "--save-retain-interval", "--save-hf", "--async-save",
                     "--start-rollout-id")
 EVAL_FLAGS = ("--eval-interval", "--eval-prompt-data", "--eval-config", "--n-samples-per-eval-prompt",
@@ -39,23 +41,14 @@ ROLLOUT_GENERATION_FLAGS = ("--over-sampling-batch-size", "--dynamic-sampling-fi
 
 def flag_values(argv: Sequence[str], flag: str) -> list[str] | None:
     """The values after the last `flag` in argv ([] for a store_true flag), or None when it is absent."""
-    found = None
-    for i, token in enumerate(argv):
-        if token == flag:
-            values = []
-            for value in argv[i + 1:]:
-                if value.startswith("--"):
-                    break
-                values.append(value)
-            found = values
-    return found
+    return parse_flags(list(argv)).get(flag)
 
 
 def without_flags(argv: Sequence[str], flags: Iterable[str]) -> list[str]:
     """argv with every occurrence of `flags` removed, values included."""
     drop, out, skipping = set(flags), [], False
     for token in argv:
-        if token.startswith("--"):
+        if token.startswith("--"):  # a flag (values never start with "--"; negative numbers have one dash)
             skipping = token in drop
         if not skipping:
             out.append(token)
