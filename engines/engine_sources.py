@@ -207,6 +207,33 @@ def _install_sglang(version: str, home: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# -------------------------------------------------------------------------------------- Miles' launchers
+LAUNCHER_CLI: tuple[str, ...] = ("typer==0.25.1", "click==8.2.1")
+"""The CLI libraries Miles' docker/Dockerfile.rocm pins; its typer launchers are recorded with exactly these
+(v4rl's own environment may hold newer ones, so they live in a cache, never in the venv)."""
+
+
+def launcher_cli_paths(install: bool = True) -> list[Path]:
+    """sys.path entries (first) holding LAUNCHER_CLI, cached for this Python; installed from the registry once."""
+    home = cache_root() / ("launcher-cli-" + "-".join(s.replace("==", "") for s in LAUNCHER_CLI)
+                           + f"-py{sys.version_info.major}{sys.version_info.minor}")
+    if not (home / "ready.json").is_file():
+        if not install:
+            raise EngineSourceMissing(f"{' '.join(LAUNCHER_CLI)} are not in {home}; run once with access to the "
+                                      "package registry (engines.engine_sources.launcher_cli_paths())")
+        with _locked(home):
+            if not (home / "ready.json").is_file():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}.", dir=home.parent))
+                try:
+                    _pip("install", "--no-deps", "--target", str(tmp), *LAUNCHER_CLI)
+                    (tmp / "ready.json").write_text(json.dumps(list(LAUNCHER_CLI)) + "\n")
+                    shutil.rmtree(home, ignore_errors=True)
+                    os.replace(tmp, home)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return [home]
+
+
 def _wheel_pins(metadata: str) -> dict[str, str]:
     """`name==version` pins of a wheel's unconditional Requires-Dist lines, by normalised name."""
     pins = {}
