@@ -228,3 +228,58 @@ def test_launch_plan_shows_only_what_the_submitted_argv_holds():
             assert flags.get(flag) == values, f"{flag} {values} shown but the argv has {flags.get(flag)}"
     driver = next(p for n in plan["nodes"] for p in n["processes"] if p["kind"] == "miles-driver")
     assert driver["argv"] == submitted
+
+
+# --------------------------------------------------------------------------- preflight helpers and the CLI
+def test_preflight_names_values_miles_resolved_differently():
+    from engines.train.miles.preflight import compare_resolved, expected_values
+
+    preset, inp = resolve(SEED_RUN.name)
+    want = expected_values(preset, _job(), inp.cluster)
+    assert want["global_batch_size"] == 256 and want["load"] == "/models/V4-Flash_torch_dist"  # no tracker: ref
+    got = {**want, "eval_datasets": [{"name": "aime", "path": "/root/datasets/aime-2024/aime-2024.jsonl",
+                                      "n_samples_per_eval_prompt": 8, "max_response_len": 4096, "top_p": 0.7}],
+           "pipeline_model_parallel_size": 2, "save_interval": None}
+    assert compare_resolved(want, got) == ["pipeline_model_parallel_size: v4rl meant 4, Miles resolved 2",
+                                           "save_interval: v4rl meant 20, Miles resolved None"]
+
+
+def test_preflight_names_a_missing_dataset_file(tmp_path):
+    from engines.train.miles.preflight import local_problems
+
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    preset, _ = resolve(SEED_RUN.name, {"prompt_data": str(tmp_path / "train.jsonl"),
+                                        "eval_datasets": [["aime", str(tmp_path / "absent.jsonl")]]})
+    problems = local_problems(preset, _job(), check_data=True)
+    assert len(problems) == 1 and "eval dataset 'aime' (--eval-prompt-data)" in problems[0]
+    assert "absent.jsonl does not exist" in problems[0] and local_problems(preset, _job(), check_data=False) == []
+
+
+def _plan(*args: str):
+    from typer.testing import CliRunner
+
+    from v4rl.cli import app
+
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_plan_json_carries_the_miles_job_and_the_pin():
+    out = _plan("--preset", "dsv4-flash-mi355x", "--json", "--ray-address", "http://10.0.0.1:8265")
+    assert out.exit_code == 0, out.output
+    miles = json.loads(out.output)["miles"]
+    assert miles["entrypoint"] == "train.py" and miles["argv"][:2] == ["--disable-bias-linear", "--num-layers"]
+    assert miles["pin"]["miles"] == "31f1ca961" and miles["submit"][4] == "http://10.0.0.1:8265"
+    assert miles["seed_command"]["miles"] == "a8684732f" and miles["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    text = _plan("--preset", "dsv4-flash-mi355x")
+    assert "Miles job: train.py for Miles 31f1ca961 with Megatron-LM miles-main 2e64d788b" in text.output
+    assert _plan("--preset", "dsv4-flash-mi355x", "--eval-data", "aime").exit_code != 0  # NAME=PATH required
+
+
+def test_plain_plan_imports_no_engine_check():
+    import subprocess
+
+    code = ("import sys, v4rl.cmd_plan, v4rl.plan_miles, engines.launch; "
+            "bad = [m for m in ('torch', 'engines.train.miles.preflight', 'engines.train.miles.launcher_compare') "
+            "if m in sys.modules]; sys.exit(str(bad) if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from engines.engine_sources import MEGATRON, MILES
 from engines.layout import ClusterSpec
 from engines.profiles import HardwareProfile, get_profile
 from engines.run_presets import layout_input
@@ -31,9 +32,10 @@ from engines.train.miles.model_args import model_args, read_config
 if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
 
-MILES_PIN = {"miles": "31f1ca961", "megatron_lm": "2e64d788b", "megatron_lm_branch": "miles-main"}
-"""The one Miles v4rl's job is built and checked for: radixark/miles main at 31f1ca961 with radixark/Megatron-LM
-miles-main at 2e64d788b (what Miles' Dockerfiles clone). `v4rl plan --miles-dir DIR` checks a checkout."""
+MILES_PIN = {"miles": MILES.short, "megatron_lm": MEGATRON.short, "megatron_lm_branch": "miles-main"}
+"""The one Miles v4rl's job is built and checked for (engines/engine_sources.py holds the pins): radixark/miles
+main at 31f1ca961 with radixark/Megatron-LM miles-main at 2e64d788b (what Miles' Dockerfiles clone).
+`v4rl plan --miles-dir DIR` checks a checkout."""
 ENTRYPOINT = "train.py"
 
 
