@@ -55,3 +55,29 @@ def test_the_runtime_env_is_part_of_the_check(tmp_path, miles_tree, megatron_tre
     job = _job(tmp_path, extra_env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     check = check_job(MILES_32GPU_RUN, job, site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
     assert not check.accepted and "CUDA_DEVICE_MAX_CONNECTIONS" in check.error
+
+
+def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree, megatron_tree, sglang_paths):
+    """The rl-pipeline's preflight task runs the same check on the cluster path before anything is submitted."""
+    import dataclasses
+    import json
+
+    from prefect.logging import disable_run_logger
+
+    from engines.dsv4_flash import flash_config
+    from engines.train.miles.preflight import MilesRejected
+    from tasks.preflight import preflight
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(flash_config()))
+    data = tmp_path / "datasets"
+    (data / "dapo-math-17k").mkdir(parents=True)
+    (data / "dapo-math-17k" / "dapo-math-17k.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    job = dataclasses.replace(_job(tmp_path), hf_checkpoint=str(hf), data_dir=str(data))
+    miles = {"site": dataclasses.asdict(SITE), "job": dataclasses.asdict(job), "overrides": {"num_rollout": 20},
+             "miles_dir": str(miles_tree), "megatron_dir": str(megatron_tree)}
+    with disable_run_logger(), pytest.raises(MilesRejected) as err:
+        preflight.fn(SEED_RUN.name, miles=miles)
+    assert "eval dataset 'aime' (--eval-prompt-data)" in str(err.value)
+    assert f"{data}/aime-2024/aime-2024.jsonl does not exist" in str(err.value) and "prompt_data" not in str(err.value)

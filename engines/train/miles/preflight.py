@@ -43,6 +43,10 @@ DEVICES: dict[str, dict[str, Any]] = {  # what torch.cuda reports on the target 
 }
 
 
+class MilesRejected(ValueError):
+    """Miles' own parser rejects v4rl's job, resolves it differently, or its inputs are missing (not retried)."""
+
+
 @dataclass
 class MilesCheck:
     """What Miles' own parser made of v4rl's job."""
