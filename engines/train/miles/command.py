@@ -171,12 +171,3 @@ def _model_config(preset: RunPreset, job: MilesJob, given: dict[str, Any] | None
 def with_paths(job: MilesJob, **paths: str | None) -> MilesJob:
     """`job` with the given non-empty fields replaced (CLI flags that may be unset)."""
     return dataclasses.replace(job, **{k: v for k, v in paths.items() if v})
-
-
-def sglang_server_argv(preset: RunPreset, job: MilesJob, *, base_gpu_id: int = 0) -> list[str]:
-    """What one rollout engine amounts to (Miles starts it in-process as a Ray actor; shown for reproduction)."""
-    from engines.rollout.launcher import SGLangServerSpec, build_launch_command
-
-    spec = SGLangServerSpec.from_preset(job.hf_checkpoint, preset, python="python3",
-                                        extra_args=("--base-gpu-id", str(base_gpu_id)))
-    return build_launch_command(spec)
