@@ -37,9 +37,9 @@ from tasks.upload import upload_artifacts
 
 def _train_config(p: PipelineParams) -> dict:
     """What one training segment runs: the embedded trainer's TrainRunConfig, or the Miles job's settings."""
-    cluster = _cluster(p)
+    cluster = _miles(p)
     if cluster is not None:
-        return {"engine": "miles", "cluster": cluster}
+        return {"engine": "miles", "cluster": cluster, "steps": p.steps}
     from engines.train.run import TrainRunConfig
     from rl.loop import LoopConfig
 
@@ -52,16 +52,6 @@ def _train_config(p: PipelineParams) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _cluster(p: PipelineParams) -> dict | None:
-    """The cluster settings the Miles-backed tasks build their job from (None: the embedded engines)."""
-    from engines.backends import pipeline_backend
-
-    if not pipeline_backend(p.preset).on_cluster:
-        return None
-    return {"params": p.model_dump(mode="json"), "torch_dist": str(p.run_dir / "torch_dist"),
-            "run_dir": str(p.run_dir)}
-
-
 @flow(name="rl-pipeline", log_prints=True)
 def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log = get_run_logger()
@@ -70,10 +60,11 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     store = dict(store_url=params.store, prefix=f"runs/{key}", endpoint_url=params.s3_endpoint_url,
                  secret_block=params.s3_secret_block)
     artifact = key.lower().replace("_", "-").replace(".", "-")
-    cluster = _cluster(params)
+    cluster = _miles(params)
 
     preflight(params.preset, params.seed, hf_checkpoint=params.hf_checkpoint, train_data=params.train_data,
-              eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval)
+              eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
+              miles=cluster)
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"))
     verify(converted["dst"], params.hf_checkpoint)
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
@@ -96,6 +87,19 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log.info("report: %s; artifacts: %s", report["report"], uploaded.get("manifest"))
     return {"run_dir": str(run_dir), "summary": report["summary"], "alignment": alignment,
             "manifest": uploaded.get("manifest")}
+
+
+def _miles(p: PipelineParams) -> dict | None:
+    """The Miles job of a cluster preset (site, paths, preset overrides, where results go), as plain dicts for
+    the tasks (engines/train/miles/pipeline.py ClusterRun.from_miles); None: the embedded engines."""
+    from engines.backends import pipeline_backend
+
+    if not pipeline_backend(p.preset).on_cluster:
+        return None
+    site, job = p.site(), p.miles_job()
+    return {"preset": p.preset, "site": dataclasses.asdict(site), "job": dataclasses.asdict(job),
+            "overrides": p.miles_overrides(), "miles_dir": p.miles_check_dir, "megatron_dir": p.megatron_check_dir,
+            "run_dir": str(p.run_dir), "eval_interval": p.eval_interval, "align_sglang_url": p.align_sglang_url}
 
 
 def _eval_data(p: PipelineParams) -> dict:

@@ -25,14 +25,14 @@ class AlignmentFailed(RuntimeError):
 @task(name="align", cache_policy=NO_CACHE, timeout_seconds=3 * 3600)
 def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, prompts: int = 16, threshold: float = 0.09,
           artifact_key: str | None = None, cluster: dict | None = None) -> dict:
-    """`cluster`: the run's cluster settings (flows/rl_pipeline.py `_cluster`), None for the embedded engines."""
+    """`cluster`: the run's Miles settings (flows/rl_pipeline.py `_miles`), None for the embedded engines."""
     from engines.align import AlignConfig, align as run_align
 
     config = AlignConfig(n_prompts=prompts, mean_threshold=threshold)
     if cluster is not None:
         from engines.train.miles.pipeline import ClusterRun, align_gate
 
-        report = align_gate(ClusterRun.from_params(**cluster), config, on_line=get_run_logger().info)
+        report = align_gate(ClusterRun.from_miles(cluster), config, on_line=get_run_logger().info)
     else:
         report = run_align(hf_dir, torch_dist_dir, config)
     tmp = Path(json_out).with_suffix(".json.tmp")

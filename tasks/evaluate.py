@@ -54,9 +54,9 @@ def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max
 
 @task(name="miles-eval", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=60, timeout_seconds=6 * 3600)
 def miles_eval(cluster: dict, step: int) -> dict:
-    """eval/step_XXXXXX.json of `step` from Miles (`cluster`: flows/rl_pipeline.py `_cluster`)."""
+    """eval/step_XXXXXX.json of `step` from Miles (`cluster`: flows/rl_pipeline.py `_miles`)."""
     from prefect import get_run_logger
 
     from engines.train.miles.pipeline import ClusterRun, evaluate_step
 
-    return evaluate_step(ClusterRun.from_params(**cluster), step, on_line=get_run_logger().info)
+    return evaluate_step(ClusterRun.from_miles(cluster), step, on_line=get_run_logger().info)

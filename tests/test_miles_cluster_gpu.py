@@ -34,17 +34,20 @@ def cluster():
     if missing:
         pytest.skip(f"set {', '.join(missing)} to run on the cluster (module docstring)")
     from engines.train.miles.pipeline import ClusterRun
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import _miles
 
-    run_dir = Path(os.environ["V4RL_GPU_RUNS_ROOT"]) / f"gpu-test-{int(time.time())}"
-    params = {"preset": os.environ.get("V4RL_GPU_PRESET", "dsv4-flash-mi355x"), "run_key": run_dir.name,
-              "hf_checkpoint": os.environ["V4RL_HF_CHECKPOINT"], "eval_interval": 2, "steps": 4,
-              "ray_address": os.environ["RAY_ADDRESS"], "master_addr": os.environ["MASTER_ADDR"],
-              "socket_ifname": os.environ["V4RL_SOCKET_IFNAME"], "ib_hca": os.environ["V4RL_IB_HCA"],
-              "align_sglang_url": os.environ.get("V4RL_ALIGN_SGLANG_URL")}
-    for key in ("miles_dir", "megatron_dir", "data_dir"):
-        if os.environ.get(f"V4RL_{key.upper()}"):
-            params[key] = os.environ[f"V4RL_{key.upper()}"]
-    return ClusterRun.from_params(params, torch_dist=os.environ["V4RL_TORCH_DIST"], run_dir=str(run_dir))
+    paths = {k: os.environ[f"V4RL_{k.upper()}"] for k in ("miles_dir", "megatron_dir", "data_dir")
+             if os.environ.get(f"V4RL_{k.upper()}")}
+    params = PipelineParams.preset_defaults(
+        os.environ.get("V4RL_GPU_PRESET", "dsv4-flash-mi355x"), run_key=f"gpu-test-{int(time.time())}",
+        runs_root=os.environ["V4RL_GPU_RUNS_ROOT"], hf_checkpoint=os.environ["V4RL_HF_CHECKPOINT"], steps=4,
+        eval_interval=2, ray_address=os.environ["RAY_ADDRESS"], master_addr=os.environ["MASTER_ADDR"],
+        socket_ifname=os.environ["V4RL_SOCKET_IFNAME"], ib_hca=os.environ["V4RL_IB_HCA"],
+        align_sglang_url=os.environ.get("V4RL_ALIGN_SGLANG_URL"), **paths)
+    run = ClusterRun.from_miles(_miles(params))
+    # the converted checkpoint comes from V4RL_TORCH_DIST instead of the run's own convert task
+    return dataclasses.replace(run, job=dataclasses.replace(run.job, ref_load=os.environ["V4RL_TORCH_DIST"]))
 
 
 def _steps(run_dir: str) -> list[int]:

@@ -228,3 +228,79 @@ def test_launch_plan_shows_only_what_the_submitted_argv_holds():
             assert flags.get(flag) == values, f"{flag} {values} shown but the argv has {flags.get(flag)}"
     driver = next(p for n in plan["nodes"] for p in n["processes"] if p["kind"] == "miles-driver")
     assert driver["argv"] == submitted
+
+
+# --------------------------------------------------------------------------- preflight helpers and the CLI
+def test_preflight_names_values_miles_resolved_differently():
+    from engines.train.miles.preflight import compare_resolved, expected_values
+
+    preset, inp = resolve(SEED_RUN.name)
+    want = expected_values(preset, _job(), inp.cluster)
+    assert want["global_batch_size"] == 256 and want["load"] == "/models/V4-Flash_torch_dist"  # no tracker: ref
+    got = {**want, "eval_datasets": [{"name": "aime", "path": "/root/datasets/aime-2024/aime-2024.jsonl",
+                                      "n_samples_per_eval_prompt": 8, "max_response_len": 4096, "top_p": 0.7}],
+           "pipeline_model_parallel_size": 2, "save_interval": None}
+    assert compare_resolved(want, got) == ["pipeline_model_parallel_size: v4rl meant 4, Miles resolved 2",
+                                           "save_interval: v4rl meant 20, Miles resolved None"]
+
+
+def test_preflight_names_a_missing_dataset_file(tmp_path):
+    from engines.train.miles.preflight import local_problems
+
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    preset, _ = resolve(SEED_RUN.name, {"prompt_data": str(tmp_path / "train.jsonl"),
+                                        "eval_datasets": [["aime", str(tmp_path / "absent.jsonl")]]})
+    problems = local_problems(preset, _job(), check_data=True)
+    assert len(problems) == 1 and "eval dataset 'aime' (--eval-prompt-data)" in problems[0]
+    assert "absent.jsonl does not exist" in problems[0] and local_problems(preset, _job(), check_data=False) == []
+
+
+def _plan(*args: str):
+    from typer.testing import CliRunner
+
+    from v4rl.cli import app
+
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_plan_json_carries_the_miles_job_and_the_pin():
+    out = _plan("--preset", "dsv4-flash-mi355x", "--json", "--ray-address", "http://10.0.0.1:8265")
+    assert out.exit_code == 0, out.output
+    miles = json.loads(out.output)["miles"]
+    assert miles["entrypoint"] == "train.py" and miles["argv"][:2] == ["--disable-bias-linear", "--num-layers"]
+    assert miles["pin"]["miles"] == "31f1ca961" and miles["submit"][4] == "http://10.0.0.1:8265"
+    assert miles["seed_command"]["miles"] == "a8684732f" and miles["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    text = _plan("--preset", "dsv4-flash-mi355x")
+    assert "Miles job: train.py for Miles 31f1ca961 with Megatron-LM miles-main 2e64d788b" in text.output
+    assert _plan("--preset", "dsv4-flash-mi355x", "--eval-data", "aime").exit_code != 0  # NAME=PATH required
+
+
+def test_plain_plan_imports_no_engine_check():
+    import subprocess
+
+    code = ("import sys, v4rl.cmd_plan, v4rl.plan_miles, engines.launch; "
+            "bad = [m for m in ('torch', 'engines.train.miles.preflight', 'engines.train.miles.launcher_compare') "
+            "if m in sys.modules]; sys.exit(str(bad) if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_pipeline_parameters_become_the_miles_job(tmp_path):
+    import dataclasses
+
+    from prefect.logging import disable_run_logger
+
+    from flows.params import PipelineParams
+    from tasks.preflight import preflight
+
+    p = PipelineParams.preset_defaults("dsv4-flash-mi355x", runs_root=str(tmp_path), steps=40, eval_interval=5,
+                                       ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1")
+    assert p.miles_overrides() == {"num_rollout": 40, "rollout_batch_size": 32, "n_samples_per_prompt": 8,
+                                   "eval_interval": 5, "save_interval": 5, "n_samples_per_eval_prompt": 8, "lr": 1e-6}
+    job = p.miles_job()
+    assert (job.ref_load, job.save_dir) == (str(p.run_dir / "torch_dist"), str(p.run_dir / "miles-checkpoints"))
+    flags = build_command(resolve(p.preset, p.miles_overrides())[0], job, site=p.site()).flag_values()
+    assert flags["--num-rollout"] == ["40"] and flags["--save-interval"] == ["5"] and flags["--eval-interval"] == ["5"]
+    miles = {"site": dataclasses.asdict(p.site()), "job": dataclasses.asdict(job), "overrides": p.miles_overrides()}
+    with disable_run_logger(), pytest.raises(SiteError, match="(?s)socket_ifname.*ib_hca"):  # before Miles is asked
+        preflight.fn(p.preset, miles=miles)

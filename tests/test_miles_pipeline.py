@@ -1,5 +1,6 @@
-"""The cluster path's pipeline steps (engines/train/miles/pipeline.py) wired end to end on CPU: the real job
-builder (prepare_job, submit_argv), the derived jobs, the runner and the recorder, against a stand-in for
+"""The cluster path's pipeline steps (engines/train/miles/pipeline.py) wired end to end on CPU from the flow's
+parameters (flows/rl_pipeline.py `_miles`): the real job builder (prepare_job, submit_argv), the derived jobs,
+the runner and the recorder, against a stand-in for
 `ray job submit` that behaves as Miles' train.py does at the file level (start at the tracker's iteration + 1
 or 0 without one, save every --save-interval and at the last rollout with the data cursor, evaluate before
 training unless skipped and every --eval-interval, `--num-rollout 0` = evaluate once) and prints Miles' log
@@ -75,11 +76,14 @@ def cluster(tmp_path, monkeypatch) -> ClusterRun:
     data.mkdir(parents=True)
     (data / "aime-2024.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "label": str(i)}) + "\n"
                                                   for i in range(3)))
-    params = {"preset": "dsv4-flash-mi355x", "run_key": "cluster-run", "hf_checkpoint": "/absent/DeepSeek-V4-Flash-FP8",
-              "eval_interval": 2, "steps": 4, "ray_address": "http://10.0.0.1:8265", "master_addr": "10.0.0.1",
-              "socket_ifname": "eth0", "ib_hca": "rdma0", "miles_dir": str(tmp_path / "miles"),
-              "data_dir": str(tmp_path / "data"), "log_dir": str(tmp_path / "logs")}
-    return ClusterRun.from_params(params, torch_dist=str(tmp_path / "torch_dist"), run_dir=str(tmp_path / "run"))
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import _miles
+
+    params = PipelineParams.preset_defaults(
+        "dsv4-flash-mi355x", run_key="cluster-run", runs_root=str(tmp_path / "runs"), steps=4, eval_interval=2,
+        ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="eth0", ib_hca="rdma0",
+        miles_dir=str(tmp_path / "miles"), data_dir=str(tmp_path / "data"))
+    return ClusterRun.from_miles(_miles(params))  # what the flow hands its tasks
 
 
 def _calls(tmp_path: Path) -> list[dict]:
@@ -95,7 +99,7 @@ def test_segments_resume_and_step_zero_is_miles_eval_only_job(cluster, tmp_path,
     first = _calls(tmp_path)[0]
     assert first["submit"][:2] == ["job", "submit"] and "--runtime-env-json" in first["submit"]
     assert flag_values(first["argv"], "--num-rollout") == ["0"] and flag_values(first["argv"], "--load") is None
-    assert flag_values(first["argv"], "--ref-load") == [str(tmp_path / "torch_dist")]
+    assert flag_values(first["argv"], "--ref-load") == [str(tmp_path / "runs" / "cluster-run" / "torch_dist")]
 
     assert train_segment(cluster, 2)["steps"] == [1, 2]
     monkeypatch.setenv("STAND_IN_DIE_AFTER", "2")

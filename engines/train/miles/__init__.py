@@ -24,7 +24,7 @@ The Miles run itself needs GPUs (tests marked `gpu`); everything else is plain P
 from engines.train.miles.checkpoints import (TRACKER, MilesCheckpoint, MilesCheckpointError, Resume, data_cursor_path,
                                              find_resume, list_checkpoints, prepare_resume, read_tracker, write_tracker)
 from engines.train.miles.command import (ENTRYPOINT, MILES_PIN, MilesCommand, MilesJob, build_command,
-                                         default_run_id, parse_flags, sglang_server_argv, with_paths)
+                                         default_run_id, parse_flags, with_paths)
 from engines.train.miles.metrics import MetricRecord, eval_datasets, parse_metric_line, to_v4rl_metrics
 from engines.train.miles.model_args import ModelConfigError, model_args, read_config
 from engines.train.miles.pr_launcher import PR_HEAD, launcher_argv
@@ -40,5 +40,4 @@ __all__ = ["ENTRYPOINT", "MILES_PIN", "PR_HEAD", "TRACKER", "MetricRecord", "Mil
            "default_run_id", "eval_datasets", "eval_result", "find_resume", "launcher_argv", "list_checkpoints",
            "megatron_parallel_args", "model_args", "parse_flags", "parse_metric_line", "prepare_job",
            "prepare_resume", "read_config", "read_tracker", "record_lines", "record_log", "run_job", "run_miles",
-           "runtime_env_json", "sglang_server_argv", "stop_ray_job", "submit_argv", "to_v4rl_metrics", "with_paths",
-           "write_tracker"]
+           "runtime_env_json", "stop_ray_job", "submit_argv", "to_v4rl_metrics", "with_paths", "write_tracker"]

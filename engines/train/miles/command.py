@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from engines.engine_sources import MEGATRON, MILES
 from engines.layout import ClusterSpec
 from engines.profiles import HardwareProfile, get_profile
 from engines.run_presets import layout_input
@@ -31,9 +32,10 @@ from engines.train.miles.model_args import model_args, read_config
 if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
 
-MILES_PIN = {"miles": "31f1ca961", "megatron_lm": "2e64d788b", "megatron_lm_branch": "miles-main"}
-"""The one Miles v4rl's job is built and checked for: radixark/miles main at 31f1ca961 with radixark/Megatron-LM
-miles-main at 2e64d788b (what Miles' Dockerfiles clone). `v4rl plan --miles-dir DIR` checks a checkout."""
+MILES_PIN = {"miles": MILES.short, "megatron_lm": MEGATRON.short, "megatron_lm_branch": "miles-main"}
+"""The one Miles v4rl's job is built and checked for (engines/engine_sources.py holds the pins): radixark/miles
+main at 31f1ca961 with radixark/Megatron-LM miles-main at 2e64d788b (what Miles' Dockerfiles clone).
+`v4rl plan --miles-dir DIR` checks a checkout."""
 ENTRYPOINT = "train.py"
 
 
@@ -169,12 +171,3 @@ def _model_config(preset: RunPreset, job: MilesJob, given: dict[str, Any] | None
 def with_paths(job: MilesJob, **paths: str | None) -> MilesJob:
     """`job` with the given non-empty fields replaced (CLI flags that may be unset)."""
     return dataclasses.replace(job, **{k: v for k, v in paths.items() if v})
-
-
-def sglang_server_argv(preset: RunPreset, job: MilesJob, *, base_gpu_id: int = 0) -> list[str]:
-    """What one rollout engine amounts to (Miles starts it in-process as a Ray actor; shown for reproduction)."""
-    from engines.rollout.launcher import SGLangServerSpec, build_launch_command
-
-    spec = SGLangServerSpec.from_preset(job.hf_checkpoint, preset, python="python3",
-                                        extra_args=("--base-gpu-id", str(base_gpu_id)))
-    return build_launch_command(spec)

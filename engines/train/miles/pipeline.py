@@ -9,10 +9,9 @@ rl-pipeline's tasks exactly where the tiny-cpu path calls the embedded engines:
     align_gate(run, config)     the cluster alignment gate (engines/align/cluster.py): SGLang generates, Megatron
                                 rescores through Miles' train-only debug run
 
-`ClusterRun.from_params` reads the flow's parameters: the preset, the paths, and the deployment's site values
-under Site's own field names (ray_address, master_addr, socket_ifname, ...), plus miles_dir / megatron_dir /
-data_dir for the job. Everything that submits needs the cluster (`gpu`-marked tests); the argv, the readback
-and the gate's files are tested on CPU against Miles' own code.
+`ClusterRun.from_miles` reads the flow's settings (flows/rl_pipeline.py `_miles`: the deployment's Site, the
+MilesJob paths, the preset overrides the flow parameters make). Everything that submits needs the cluster
+(`gpu`-marked tests); the argv, the readback and the gate's files are tested on CPU against Miles' own code.
 """
 
 from __future__ import annotations
@@ -31,10 +30,6 @@ from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, se
 from engines.train.miles.results import MilesRecorder, MilesResultsError
 from engines.train.miles.runner import MilesOutcome, MilesRunError, PreparedJob, prepare_job, run_miles
 from engines.train.miles.submit import submit_argv
-
-JOB_PATHS = ("miles_dir", "megatron_dir", "data_dir", "log_dir")
-"""Flow parameters that, when present, place the job on the cluster (MilesJob fields)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterRun:
@@ -58,15 +53,14 @@ class ClusterRun:
     """Kill a job that prints nothing this long (a stalled collective), and stop its Ray job."""
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any], *, torch_dist: str, run_dir: str) -> "ClusterRun":
-        site_fields = {f.name for f in dataclasses.fields(Site)}
-        site = Site(**{k: (tuple(v) if k == "worker_ips" else v) for k, v in params.items()
-                       if k in site_fields and v not in (None, "", [], ())})
-        paths = {k: params[k] for k in JOB_PATHS if params.get(k)}
-        job = MilesJob(run_id=params["run_key"], hf_checkpoint=params["hf_checkpoint"], ref_load=torch_dist,
-                       save_dir=str(Path(run_dir) / "miles-checkpoints"), **paths)
-        return cls(preset=params["preset"], job=job, site=site, run_dir=run_dir,
-                   eval_interval=int(params["eval_interval"]), align_sglang_url=params.get("align_sglang_url") or None)
+    def from_miles(cls, miles: Mapping[str, Any]) -> "ClusterRun":
+        """From the flow's plain-dict settings (flows/rl_pipeline.py `_miles`: PipelineParams.site(),
+        .miles_job(), .miles_overrides(), the run directory, the segment length, the gate's SGLang server)."""
+        site = dict(miles["site"])
+        site["worker_ips"] = tuple(site.get("worker_ips") or ())
+        return cls(preset=miles["preset"], job=MilesJob(**miles["job"]), site=Site(**site), run_dir=miles["run_dir"],
+                   eval_interval=int(miles["eval_interval"]), overrides=dict(miles.get("overrides") or {}),
+                   align_sglang_url=miles.get("align_sglang_url") or None)
 
     def prepare(self) -> PreparedJob:
         return prepare_job(self.preset, self.job, site=self.site, overrides=self.overrides)

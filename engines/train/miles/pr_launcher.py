@@ -15,6 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from engines.engine_sources import MILES_SEED_PR
 from engines.train.miles.train_args import megatron_parallel_args
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
     from engines.train.miles.command import MilesJob
 
-PR_HEAD = "a8684732f"
+PR_HEAD = MILES_SEED_PR.short
 """radixark/miles PR #1300 head: the only commit whose AMD launcher takes the seed's options."""
 
 
