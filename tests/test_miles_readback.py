@@ -8,7 +8,7 @@ The lines below are what Miles main (31f1ca961) logs: `configure_logger_raw`'s f
 `f"step {accumulated_step_id}: {log_dict}"` (log_utils.py:542, printed again by megatron_utils/model.py:854),
 `f"rollout {rollout_id}: {reduced}"` (log_utils.py:123), `f"perf {rollout_id}: {log_dict}"` (ray/rollout/
 metrics.py:89 and train_metric_utils.py:56) and `f"eval {rollout_id}: {log_dict}"` (ray/rollout/metrics.py:53),
-with pass@k as `compute_pass_rate`'s np.float64. tests/conformance/test_miles_log_lines.py makes Miles' own
+with pass@k as `compute_pass_rate`'s np.float64. tests/conformance/test_miles_log_and_gate.py makes Miles' own
 functions print them.
 
     .venv/bin/python -m pytest tests/test_miles_readback.py -q

@@ -10,7 +10,7 @@ $V4RL_MILES_DIR) run on CPU in a subprocess:
     them (here: our CPU trainer's scores of the same tokens, the one step that needs GPUs), and the gate reads
     the dumps back into the CPU gate's report.
 
-    .venv/bin/python -m pytest tests/conformance/test_miles_readback.py -q
+    .venv/bin/python -m pytest tests/conformance/test_miles_log_and_gate.py -q
 """
 
 from __future__ import annotations
