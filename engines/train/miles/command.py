@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engines.engine_sources import MEGATRON, MILES
@@ -156,8 +157,6 @@ def build_command(preset: RunPreset, job: MilesJob, *, site: Site | None = None,
 
 
 def _model_config(preset: RunPreset, job: MilesJob, given: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
-    from pathlib import Path
-
     if given is not None:
         return given, "the given config.json"
     if not job.hf_checkpoint.startswith("${") and Path(job.hf_checkpoint).is_dir():

@@ -13,7 +13,6 @@ conformance finding) that makes the difference intentional. Anything else is a D
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +202,6 @@ def _equal(a: str | None, b: str | None) -> bool:
 
 def _num_equal(x: str, y: str) -> bool:
     try:
-        return math.isclose(float(x), float(y), rel_tol=0, abs_tol=0) or float(x) == float(y)
+        return float(x) == float(y)
     except ValueError:
         return False

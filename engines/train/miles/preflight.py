@@ -165,7 +165,10 @@ def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cl
     miles = miles_tree(miles_dir)
     megatron = megatron_tree(megatron_dir)
     paths = [megatron, miles, *sglang_paths()]
-    device = DEVICES.get(profile.name, DEVICES["mi355x"])
+    if profile.name not in DEVICES:
+        raise ValueError(f"profile {profile.name!r} has no accelerator description for Miles' parser; known: "
+                         f"{', '.join(DEVICES)} (add it to engines/train/miles/preflight.py DEVICES)")
+    device = DEVICES[profile.name]
     env = {k: v for k, v in command.env.items() if k != "PYTHONPATH"}  # the cluster's paths mean nothing here
     with tempfile.TemporaryDirectory(prefix="v4rl-miles-preflight-") as tmp:
         argv = _local_hf_checkpoint(command.argv, preset, job, Path(tmp))

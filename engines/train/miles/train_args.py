@@ -102,6 +102,10 @@ def perf_args(preset: "RunPreset") -> list[str]:
     micro-batches are one sample each; --max-tokens-per-gpu still bounds log-prob passes (conformance A5).
     """
     t = preset.train
+    if t.micro_batching != "per-sample":
+        raise ValueError(f"preset {preset.name}: train.micro_batching={t.micro_batching!r}, but Miles trains DeepSeek-V4 "
+                         "with --qkv-format bshd, which forbids dynamic (packed) batches; set micro_batching="
+                         "'per-sample' (one sample per micro-batch, --micro-batch-size 1)")
     args = megatron_parallel_args(preset)
     if t.recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
