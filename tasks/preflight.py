@@ -1,4 +1,5 @@
-"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), the data
+"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), every CPU step
+of the preset's pipeline fits this machine's memory for the checkpoint (engines/layout/cpu_fit.py), the data
 loads (with enough usable rows; bad rows are counted and named), and the reward grades its golden cases right.
 
 On the cluster path it also builds the Miles job exactly as it will be submitted and has Miles' own parser
@@ -26,6 +27,12 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
     from rl.rewards import grade
 
     plan = preflight_plan(preset, (miles or {}).get("overrides"))  # InfeasibleLayout naming each rule and fix
+    if hf_checkpoint:  # raises CpuFitError naming the step, its estimate and this machine's memory
+        from engines.backends import pipeline_backend
+        from engines.layout.cpu_fit import check_cpu_fit
+
+        fits = check_cpu_fit(hf_checkpoint, pipeline_backend(preset).cpu_steps)
+        get_run_logger().info("CPU steps fit: %s", ", ".join(f"{s.step} ~{s.bytes / 1e9:.1f} GB" for s in fits))
     wrong = [(r, label, want, grade(r, label).reward) for r, label, want in GOLDEN if grade(r, label).reward != want]
     if wrong:
         raise RuntimeError(f"reward function misgrades its golden cases: {wrong}")
