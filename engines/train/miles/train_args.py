@@ -122,8 +122,9 @@ def eval_args(preset: "RunPreset", job: "MilesJob") -> list[str]:
     args = ["--eval-interval", str(e.interval), "--eval-top-p", num(e.top_p), "--eval-prompt-data"]
     for name, path in e.datasets:
         args += [name, data_path(job, path)]
+    # --log-passrate: without it Miles logs no eval/<dataset>-pass@k (only the mean reward)
     return args + ["--n-samples-per-eval-prompt", str(e.n_samples_per_prompt),
-                   "--eval-max-response-len", str(e.max_response_len)]
+                   "--eval-max-response-len", str(e.max_response_len), "--log-passrate"]
 
 
 def sglang_args(preset: "RunPreset") -> list[str]:
