@@ -184,16 +184,16 @@ def _run_v4rl(settings: E2ESettings, run_dir: Path, trl: TRLSide) -> dict[str, A
     turn = {"since": time.perf_counter()}
 
     def after_step(step: int, metrics: dict) -> None:
-        rows.append({"step": step, "wall_s": time.perf_counter() - turn["since"], **metrics})
+        rows.append({"step": step, "wall_s": time.perf_counter() - turn["since"], "load_1m": load_average(), **metrics})
         if step in wanted:
             copy_snapshot(run_dir / "weights" / "current", snapshots_root, step)
         trl.take_step(step)
         turn["since"] = time.perf_counter()
 
-    start = time.perf_counter()
     run_training(run_dir, v4rl_config(settings), on_step=after_step, log=lambda line: print(f"[v4rl] {line}"))
-    first = rows[0]
-    return {"rows": rows, "startup_s": first["wall_s"] - first["perf/step_time"] if rows else time.perf_counter() - start,
+    # the first turn began when run_training was called: Ray, the actors and the rollout server start in it
+    startup_s = rows[0]["wall_s"] - rows[0]["perf/step_time"]
+    return {"rows": rows, "startup_s": startup_s,
             "snapshots": {step: snapshot_dir(snapshots_root, step) for step in sorted(wanted)}}
 
 
@@ -204,7 +204,8 @@ def _result(settings: E2ESettings, machine: dict, v4rl: dict, trl: TRLSide, trl_
 
     rows = v4rl["rows"]
     ours_s = [r["perf/step_time"] for r in rows]
-    pairs = [{"step": r["step"], "v4rl_s": o, "trl_s": t, "ratio": t / o} for r, o, t in zip(rows, ours_s, trl.step_s)]
+    pairs = [{"step": r["step"], "v4rl_s": o, "trl_s": t, "ratio": t / o, "load_1m": r["load_1m"]}
+             for r, o, t in zip(rows, ours_s, trl.step_s)]
     trl_rewards = [e["reward"] for e in trl_log if "reward" in e]
     elapsed = {"v4rl": _cumulative(ours_s), "trl": _cumulative(trl.step_s)}
     for side, side_evals in evals.items():
