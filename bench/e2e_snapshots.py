@@ -92,7 +92,8 @@ def evaluate_one(settings: E2ESettings, model_dir: Path) -> dict[str, Any]:
 
 
 class InProcessRollout:
-    """rl.loop's Rollout (generation only) on our model in this process."""
+    """What rl.loop.evaluate needs of a Rollout (`generate`), on our model in this process; each snapshot gets a
+    fresh model (evaluate_one), so there are no weight updates."""
 
     def __init__(self, model, eos_token_id: int) -> None:
         self.model, self.eos_token_id = model, eos_token_id
@@ -104,9 +105,6 @@ class InProcessRollout:
         with torch.inference_mode():
             return generate(self.model, [list(p) for p in prompts], params, n=n, seed=seed,
                             eos_token_id=self.eos_token_id)
-
-    def load_weights(self, path: str, version: str) -> dict[str, Any]:
-        raise NotImplementedError("the evaluator loads each snapshot into a fresh model (evaluate_one)")
 
 
 def cross_format_evals(settings: E2ESettings, v4rl_run_dir: Path, trl_last: Path, work: Path) -> dict[str, Any]:

@@ -108,7 +108,8 @@ def run_side(conn, settings_dict: dict[str, Any], out_dir: str) -> None:
     """Child-process entry: build TRL's trainer, then per step wait for the turn, train, report, snapshot.
 
     Messages to the parent: ("ready", setup_s), ("step", step, seconds, phases), ("done", log_history),
-    ("error", traceback). From the parent: "go" (take the next step) or "stop"."""
+    ("error", traceback). From the parent: "go" (take the next step); anything else, or the socket closing, stops
+    the side (the parent also terminates it by pid when it fails)."""
     try:
         _run(conn, E2ESettings(**settings_dict), Path(out_dir))
     except BaseException:  # the parent re-raises it as the TRL side's failure, with this traceback
