@@ -132,9 +132,11 @@ def _run(conn, settings: E2ESettings, out_dir: Path) -> None:
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(settings.base)
     rows = step_prompts(settings)
-    # TRL tokenizes the prompt text as given; our tokenizer adds no BOS itself, so the text carries it
-    texts = [tokenizer.bos_token + r["prompt"] for r in rows]
     encode = prompt_encoder(tokenizer)
+    # TRL tokenizes the prompt text as given (special tokens on); v4rl prepends BOS itself. A tokenizer that adds
+    # no BOS (tests/assets/tiny-base) gets it in the text.
+    adds_bos = tokenizer(rows[0]["prompt"])["input_ids"] == encode(rows[0]["prompt"])
+    texts = [r["prompt"] if adds_bos else tokenizer.bos_token + r["prompt"] for r in rows]
     for text, row in zip(texts, rows):
         if tokenizer(text)["input_ids"] != encode(row["prompt"]):
             raise ValueError(f"TRL would tokenize {row['prompt']!r} differently from v4rl train; the bench needs "
