@@ -136,3 +136,23 @@ def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(t
         got = trainer.logprobs(seqs)
         gaps[qat] = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y))
     assert gaps[True] < 1e-4 and gaps[False] > 100 * gaps[True], gaps
+
+
+def test_trainer_uses_every_core_unless_told(tiny_checkpoint):
+    """Ray gives a 1-CPU actor OMP_NUM_THREADS=1; the trainer takes every core (rollout and training take turns)."""
+    import os
+
+    import pytest
+
+    cfg, native = load_hf_checkpoint(tiny_checkpoint)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        Trainer.from_native(cfg, native, TrainerConfig())
+        assert torch.get_num_threads() == os.cpu_count()
+        Trainer.from_native(cfg, native, TrainerConfig(threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads"):
+        TrainerConfig(threads=0)

@@ -18,6 +18,7 @@ native kernels (hf_model.use_native_mhc): the same results and gradients, bit fo
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,6 +48,11 @@ class TrainerConfig:
     rounds away, so rollout lags the trainer."""
     rollout_expert_dtype: str = "fp8"
     """Routed-expert format of the rollout weights the quantization-aware forward reproduces."""
+    threads: int | None = None
+    """Intra-op CPU threads of the trainer's process (torch.set_num_threads when the Trainer is built). None: every
+    core (os.cpu_count()). Ray gives an actor that reserves one CPU OMP_NUM_THREADS=1, which left all but one core
+    idle while `v4rl train`'s trainer actor worked (rollout and training take turns, so the cores are free); set a
+    number to share the machine with something else."""
     share_prompt_prefix: bool = True
     """Run each distinct prompt once per micro-batch and continue its samples from the prompt's cache (same
     logprobs and gradients as full sequences, to float rounding). Off, or with `recompute` (transformers turns
@@ -57,6 +63,8 @@ class TrainerConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.max_tokens_per_gpu < 1:
             raise ValueError(f"max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (every core), got {self.threads}")
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"compute_dtype must be 'bfloat16' or 'float32', got {self.compute_dtype!r}")
 
@@ -151,6 +159,7 @@ def _token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> 
 
 class Trainer:
     def __init__(self, model, cfg: ModelConfig, config: TrainerConfig) -> None:
+        torch.set_num_threads(config.threads or os.cpu_count() or 1)
         self.model = use_native_mhc(model.float().train(), cfg)
         self.cfg, self.config = cfg, config
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
