@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +50,10 @@ class TrainerConfig:
     rollout_expert_dtype: str = "fp8"
     """Routed-expert format of the rollout weights the quantization-aware forward reproduces."""
     threads: int | None = None
-    """Intra-op CPU threads of the trainer's process (torch.set_num_threads when the Trainer is built). None: every
-    core (os.cpu_count()). Ray gives an actor that reserves one CPU OMP_NUM_THREADS=1, which left all but one core
-    idle while `v4rl train`'s trainer actor worked (rollout and training take turns, so the cores are free); set a
-    number to share the machine with something else."""
+    """Intra-op CPU threads while the trainer computes (set for each step and scoring call, restored after, so a
+    rollout engine in the same process keeps its own setting). None: every core (os.cpu_count()). Ray gives an
+    actor that reserves one CPU OMP_NUM_THREADS=1, which left all but one core idle while `v4rl train`'s trainer
+    actor worked (rollout and training take turns, so the cores are free); set a number to share the machine."""
     share_prompt_prefix: bool = True
     """Run each distinct prompt once per micro-batch and continue its samples from the prompt's cache (same
     logprobs and gradients as full sequences, to float rounding). Off, or with `recompute` (transformers turns
@@ -159,7 +160,6 @@ def _token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> 
 
 class Trainer:
     def __init__(self, model, cfg: ModelConfig, config: TrainerConfig) -> None:
-        torch.set_num_threads(config.threads or os.cpu_count() or 1)
         self.model = use_native_mhc(model.float().train(), cfg)
         self.cfg, self.config = cfg, config
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
@@ -181,6 +181,16 @@ class Trainer:
     def native_state(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under native names (what an export quantizes for the rollout engine)."""
         return native_from_reference(self.model)
+
+    @contextmanager
+    def _compute_threads(self):
+        """torch's intra-op threads at config.threads (every core by default) for the duration."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.config.threads or os.cpu_count() or 1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _autocast(self):
         enabled = self.config.compute_dtype == "bfloat16"
@@ -250,14 +260,19 @@ class Trainer:
     def logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per-token logprobs of each (prompt, response) under the current weights."""
         out: list[list[float]] = [[] for _ in seqs]
-        for idx, forward in self._micro_batches(seqs):
-            lp, _, mask = forward()
-            for i, row, m in zip(idx, lp, mask):
-                out[i] = row[m].tolist()
+        with self._compute_threads():
+            for idx, forward in self._micro_batches(seqs):
+                lp, _, mask = forward()
+                for i, row, m in zip(idx, lp, mask):
+                    out[i] = row[m].tolist()
         return out
 
     def grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
         """One optimizer step of GRPO (+ TIS) on samples whose `advantage` is already set (rl.grpo.GRPOConfig)."""
+        with self._compute_threads():
+            return self._grpo_step(samples, grpo)
+
+    def _grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
         from rl.grpo import policy_loss, tis_metrics, tis_weights
 
         total = sum(len(s.response_ids) for s in samples)
