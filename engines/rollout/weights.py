@@ -6,9 +6,10 @@ Two layers, as in SGLang's FP8 path (reference/miles-sglang-megatron.md §2.3, r
             Updates replace stored tensors only, after validation (`check_update`).
   runtime   the `DeepseekV4` module's parameters: every stored tensor dequantized (fp32 arithmetic)
             and cast to the runtime dtype. `rebuild_runtime` recomputes all of them; it is what
-            `/end_weight_update` (SGLang's `post_process_weights`) runs. With the ROCm profile
-            (`rocm_fnuz`) FP8 weights are first converted to e4m3fnuz with doubled scales, the form
-            ROCm kernels read, and dequantized from there (same values by construction).
+            `/end_weight_update` runs (upstream SGLang's form of the patched `post_process_weights`
+            route). With the ROCm profile (`rocm_fnuz`) FP8 weights are first converted to e4m3fnuz
+            with doubled scales, the form ROCm kernels read, and dequantized from there (same values
+            by construction).
 
 Update validation refuses, naming the tensor: unknown names, wrong shapes, a storage kind other than
 the one held (FP4 experts arriving as FP8 bytes, a scale-less FP8 weight), and any change to a hash
