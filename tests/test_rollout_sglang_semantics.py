@@ -237,3 +237,15 @@ def test_b19_bearer_scheme_is_case_insensitive(tiny_checkpoint):
             assert httpx.get(f"{server.url}/model_info", headers={"Authorization": header}, timeout=30).status_code == 200
         assert httpx.get(f"{server.url}/model_info", headers={"Authorization": "Basic k"}, timeout=30).status_code == 401
         assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 200  # exempt, as /health*
+
+
+def test_b7_weight_version_spans_as_sglang_counts_them():
+    from engines.rollout.api import weight_version_spans
+
+    assert weight_version_spans([], "a", 0) == [{"version": "a", "start": 0, "end": 0}]
+    assert weight_version_spans([("a", 3)], "b", 5) == [{"version": "a", "start": 0, "end": 3},
+                                                        {"version": "b", "start": 3, "end": 5}]
+    assert weight_version_spans([("a", 3)], "b", 3) == [{"version": "a", "start": 0, "end": 3}]  # nothing under b
+    assert weight_version_spans([("a", 2), ("b", 2), ("c", 4)], "a", 6) == [
+        {"version": "a", "start": 0, "end": 2}, {"version": "c", "start": 2, "end": 4},
+        {"version": "a", "start": 4, "end": 6}]

@@ -506,13 +506,14 @@ class RolloutEngine:
 
     def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
         r.next_logits = None
+        spans = weight_version_spans(r.version_changes, self.weight_version, len(r.output_ids))
         out = RequestOutput(
             rid=r.spec.rid, input_ids=r.spec.input_ids, output_ids=r.output_ids, finish_reason=reason,
             output_logprobs=r.output_logprobs, output_top_logprobs=r.output_top,
             input_logprobs=r.input_logprobs or [], input_top_logprobs=r.input_top,
-            cached_tokens=r.cached_tokens, num_retractions=r.num_retractions, weight_version=self.weight_version,
-            e2e_latency=time.monotonic() - r.created,
-            weight_versions=weight_version_spans(r.version_changes, self.weight_version, len(r.output_ids)))
+            cached_tokens=r.cached_tokens, num_retractions=r.num_retractions,
+            weight_version=spans[-1]["version"],  # the weights of its last tokens (SGLang's meta_info)
+            e2e_latency=time.monotonic() - r.created, weight_versions=spans)
         if not r.future.done():
             r.future.set_result(out)
 
