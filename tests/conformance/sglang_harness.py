@@ -265,9 +265,13 @@ def decode(kind: str, values: list[Any]) -> list[dict[str, Any]]:
     out = []
     for value in values:
         try:
-            out.append({"encoded": cls.from_json_value(value).to_json_value()})
+            decoded = cls.from_json_value(value)
         except api_types.JsonContractError as exc:
             out.append({"error": str(exc)})
+            continue
+        meta = getattr(decoded, "meta_info", None)  # which FinishReason variant it became (a dict: none fit)
+        finish = type(meta.finish_reason).__name__ if meta is not None else None
+        out.append({"encoded": decoded.to_json_value(), "finish": finish})
     return out
 
 
