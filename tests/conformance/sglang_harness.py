@@ -311,8 +311,9 @@ def surface() -> dict[str, Any]:
         entry["methods"] = sorted(set(entry["methods"]) | set(methods))
         body = getattr(route, "body_field", None)
         if body is not None:
-            entry["body_required"] = bool(body.required)
+            entry["body_required"] = bool(body.field_info.is_required())
             ann = getattr(body.field_info, "annotation", None)
+            ann = next((a for a in getattr(ann, "__args__", ()) if a is not type(None)), ann)  # Optional[X] -> X
             fields = getattr(ann, "__struct_fields__", None) or getattr(ann, "model_fields", None)
             if fields is None and dataclasses.is_dataclass(ann):
                 fields = [f.name for f in dataclasses.fields(ann)]
