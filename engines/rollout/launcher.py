@@ -88,7 +88,8 @@ class SGLangServerSpec:
     @classmethod
     def from_preset(cls, model_path: str, preset: Any, profile: Any = None, **overrides: Any) -> "SGLangServerSpec":
         """Sizes from a run preset's rollout section (`engines.launch.RunPreset.rollout`: engine_tp, engine_ep,
-        engine_dp (DP attention, so --attn-dp-size), max_running_requests, max_total_tokens, context_length, mem_fraction_static); environment
+        engine_dp (DP attention, so --attn-dp-size), max_running_requests, max_total_tokens, context_length,
+        mem_fraction_static); environment
         and interpreter from a hardware profile (`engines.profiles.HardwareProfile`: comm_env, launcher_env,
         python). Keyword overrides win."""
         r = preset.rollout

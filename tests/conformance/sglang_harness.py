@@ -362,7 +362,8 @@ def kl_check(url: str, cache_home: str, prompts: list[list[int]], model_name: st
 
     kl.CACHE_DIR = os.path.join(cache_home, "sglang", "longbench")  # read at import; the file it looks for:
     os.makedirs(kl.CACHE_DIR, exist_ok=True)
-    name = os.path.join(kl.CACHE_DIR, f"input_ids_{model_name}_{kl.DEFAULT_PROMPT_TOKENS}_{kl.DEFAULT_NUM_SAMPLES}.json")
+    name = os.path.join(kl.CACHE_DIR,
+                        f"input_ids_{model_name}_{kl.DEFAULT_PROMPT_TOKENS}_{kl.DEFAULT_NUM_SAMPLES}.json")
     with open(name, "w") as f:
         json.dump((prompts * kl.DEFAULT_NUM_SAMPLES)[:kl.DEFAULT_NUM_SAMPLES], f)
     thresholds = {model_name: {"kl_div": kl_bound}}

@@ -66,7 +66,8 @@ class SGLangWorker:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise WorkerError(f"the SGLang worker did not answer {what} within {timeout:.0f} s\n{self.tail()}") from None
+            raise WorkerError(f"the SGLang worker did not answer {what} within {timeout:.0f} s\n"
+                              f"{self.tail()}") from None
         if line is None:
             raise WorkerError(f"the SGLang worker exited ({self.proc.poll()}) during {what}\n{self.tail()}")
         answer = json.loads(line)

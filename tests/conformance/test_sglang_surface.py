@@ -82,7 +82,8 @@ def _differences(old: dict, new: dict, where: str = "") -> list[str]:
                           if k in old and k in new else [f"{where}.{k}: {'added' if k in new else 'removed'}"
                                                           f" ({(new if k in new else old)[k]!r})"])]
     if isinstance(old, list) and isinstance(new, list) and old != new:
-        added, removed = sorted(set(map(str, new)) - set(map(str, old))), sorted(set(map(str, old)) - set(map(str, new)))
+        added = sorted(set(map(str, new)) - set(map(str, old)))
+        removed = sorted(set(map(str, old)) - set(map(str, new)))
         return [f"{where}: added {added}, removed {removed}" if added or removed else f"{where}: reordered"]
     return [] if old == new else [f"{where}: {old!r} -> {new!r}"]
 
@@ -101,7 +102,8 @@ def test_surface_matches_the_snapshot(live, ours, tmp_path):
                          f"for {recorded['version']} in {SNAPSHOT.name}:\n  " + "\n  ".join(changed) +
                          "\nreview each, fix v4rl where it depends on it, then rewrite the snapshot "
                          "(V4RL_WRITE_SGLANG_SURFACE=1, see this module's docstring)")
-    assert not current["server_args_missing"], f"v4rl uses ServerArgs fields SGLang lacks: {current['server_args_missing']}"
+    missing = current["server_args_missing"]
+    assert not missing, f"v4rl uses ServerArgs fields SGLang lacks: {missing}"
 
 
 def test_no_route_or_body_field_sglang_lacks(live, ours):
