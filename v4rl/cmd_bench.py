@@ -1,4 +1,4 @@
-"""`v4rl bench convert|rollout|train --json OUT`: side-by-side benchmarks (bench/), JSON out.
+"""`v4rl bench convert|rollout|train|e2e --json OUT`: side-by-side benchmarks (bench/), JSON out.
 
 `v4rl bench rollout --config-sweep --json OUT` runs the rollout bench over several DeepSeek-V4 shapes instead
 (bench/rollout_sweep.py).
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import typer
 
-BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train"}
+BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train", "e2e": "bench.e2e"}
+STEPS_BENCHES = ("e2e",)
+"""Benchmarks that take --steps."""
 SWEEPS = {"rollout": "bench.rollout_sweep"}
 """Benchmarks with a --config-sweep variant."""
 
@@ -20,14 +22,17 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def bench(name: str = typer.Argument(..., help=f"One of {', '.join(BENCHES)}."),
               json_out: Path = typer.Option(..., "--json", help="Where to write the results."),
+              steps: int = typer.Option(None, "--steps", min=1, help="GRPO steps per side (e2e only; default 20)."),
               config_sweep: bool = typer.Option(False, "--config-sweep",
                                                 help="rollout only: several DeepSeek-V4 shapes instead of tiny-cpu "
                                                      "(writes a PNG beside the JSON).")) -> None:
         """Run a side-by-side benchmark against its named peer; ratios measured in the same run."""
         if name not in BENCHES:
             raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
+        if steps is not None and name not in STEPS_BENCHES:
+            raise typer.BadParameter(f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}")
         if config_sweep and name not in SWEEPS:
-            raise typer.BadParameter(f"--config-sweep applies to {sorted(SWEEPS)} only, not {name!r}")
+            raise typer.BadParameter(f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}")
         target = SWEEPS[name] if config_sweep else BENCHES[name]
         try:
             module = importlib.import_module(target)
@@ -36,4 +41,4 @@ def register(app: typer.Typer) -> None:
                 raise
             typer.secho(f"benchmark {name!r} is not built yet", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
-        module.main(json_out)
+        module.main(json_out, **({"steps": steps} if steps is not None else {}))
