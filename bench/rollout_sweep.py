@@ -140,8 +140,8 @@ def _describe(cfg: ModelConfig) -> dict[str, Any]:
     return {"hidden": cfg.hidden_size, "layers": cfg.layer_types, "mlp_layers": cfg.mlp_layer_types,
             "heads": cfg.num_attention_heads, "head_dim": cfg.head_dim, "routed_experts": cfg.n_routed_experts,
             "experts_per_token": cfg.num_experts_per_tok, "index_topk": cfg.index_topk,
-            "index_heads": cfg.index_n_heads, "compress_rates": cfg.compress_rates, "sliding_window": cfg.sliding_window,
-            "vocab": cfg.vocab_size, "hc_mult": cfg.hc_mult}
+            "index_heads": cfg.index_n_heads, "compress_rates": cfg.compress_rates,
+            "sliding_window": cfg.sliding_window, "vocab": cfg.vocab_size, "hc_mult": cfg.hc_mult}
 
 
 def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.Tensor, repeats: int,

@@ -1,17 +1,17 @@
-/* Fused CPU kernels for one decode step of engines/model (built and loaded by fused.py).
+/* Fused CPU kernels for our model's prefill and decode step (built with fused_gemm.c and loaded by fused.py).
  *
- * Each kernel replaces a chain of small torch ops of the one-token-per-row decode path (mHC weights and
- * merge, norms with RoPE, the compressors' window step, the lightning indexer's scores and top-k, sink
- * attention over the sliding window plus compressed entries, the grouped output projection, routing and
- * the routed + shared experts). They compute the same formulas as engines/model/{layers,attention}.py in
- * float32, but sums run in another order (16 partial sums per dot product, fused multiply-adds where the
- * compiler finds them) and exp/cos come from libm, so results differ from the torch ops by float32
- * rounding only: fused.py checks every kernel against those ops within a stated bound before first use.
+ * Each kernel replaces a chain of small torch ops of engines/model/{layers,attention}.py: mHC weights (with the
+ * block's input RMSNorm) and merge, norms with RoPE, the compressors' window step, the lightning indexer's
+ * scores and top-k, sink attention over the sliding window plus compressed entries, and (fused_gemm.c) every
+ * matmul, routing and the routed + shared experts, plus the rollout engine's inverse-CDF sampler. They compute
+ * the same formulas in float32, but sums run in another order (8-lane partial sums, fused multiply-adds) and
+ * exp/cos come from libm, so results differ from the torch ops by float32 rounding only:
+ * engines/model/fused_model.py checks them against those ops within a stated bound before first use.
  *
- * Layout conventions: every matrix is row-major float32; `ld*` is the distance between two rows (inputs
- * may be column slices of one wider matmul output); positions are int64. A kernel that takes `threads`
- * splits independent tasks (experts, rows, groups) over that many threads, each output computed by one
- * task in a fixed order, so results do not depend on the thread count.
+ * Layout conventions: every matrix is row-major float32; `ld*` is the distance between two rows (inputs may be
+ * column slices of one wider matmul output); positions are int64. A kernel that takes `threads` splits
+ * independent tasks (experts, rows, panels) over that many threads, each output computed by one task in a
+ * fixed order, so results do not depend on the thread count.
  */
 #include "fused.h"
 
@@ -40,59 +40,93 @@ static void sinkhorn_one(float *a, i64 n, i64 iters, float eps) {
  * head != 0 computes layers.hc_head instead (fn has hc rows, scale one entry; post and comb unused).
  * fn_packed: fn [nmix, hc*D] packed in panels (see packed GEMM). iters >= 1 (the torch loop normalises
  * the columns once even for 0; callers pass >= 1). */
-void v4rl_hc_pre(const float *streams, i64 B, i64 hc, i64 D, const float *fn_packed, const float *base,
-                 const float *scale, float rms_eps, float hc_eps, i64 iters, const float *norm_w, float norm_eps,
-                 int head, float *post, float *comb, float *x) {
-    i64 width = hc * D, nmix = head ? hc : (2 + hc) * hc;
+typedef struct {
+    const float *streams, *mixes, *base, *scale, *norm_w;
+    i64 hc, D, iters, nmix;
+    float rms_eps, hc_eps, norm_eps;
+    int head;
+    float *post, *comb, *x;
+    i64 rows;
+} hc_pre_t;
+
+static void hc_pre_rows(void *ctx, i64 task, int worker) {
+    (void)worker;
+    const hc_pre_t *a = (const hc_pre_t *)ctx;
+    i64 hc = a->hc, D = a->D, width = hc * D, nmix = a->nmix;
     float pre[16];
-    if (hc > 16) return;
-    float *mixes = arena_take(sizeof(float) * (size_t)(B * nmix));
-    if (mixes == NULL) return;
-    gemm_packed(streams, width, B, fn_packed, nmix, width, mixes, nmix);
-    for (i64 b = 0; b < B; b++) {
-        const float *st = streams + b * width;
-        float *mb = mixes + b * nmix, inv = 1.0f / sqrtf(dot(st, st, width) / (float)width + rms_eps);
-        for (i64 j = 0; j < nmix; j++) mb[j] *= inv;  /* linear(norm(x)) = linear(x) * rsqrt(mean(x^2) + eps) */
-        for (i64 s = 0; s < hc; s++) pre[s] = sigmoidf(mb[s] * scale[0] + base[s]) + hc_eps;
-        if (!head) {
-            for (i64 s = 0; s < hc; s++) post[b * hc + s] = 2.0f * sigmoidf(mb[hc + s] * scale[1] + base[hc + s]);
-            float *cm = comb + b * hc * hc;
+    for (i64 b = task * ROWS_PER_TASK; b < (task + 1) * ROWS_PER_TASK && b < a->rows; b++) {
+        const float *st = a->streams + b * width;
+        float mb[(2 + 16) * 16], inv = 1.0f / sqrtf(dot(st, st, width) / (float)width + a->rms_eps);
+        /* linear(norm(x)) = linear(x) * rsqrt(mean(x^2) + eps) */
+        for (i64 j = 0; j < nmix; j++) mb[j] = a->mixes[b * nmix + j] * inv;
+        for (i64 s = 0; s < hc; s++) pre[s] = sigmoidf(mb[s] * a->scale[0] + a->base[s]) + a->hc_eps;
+        if (!a->head) {
+            for (i64 s = 0; s < hc; s++)
+                a->post[b * hc + s] = 2.0f * sigmoidf(mb[hc + s] * a->scale[1] + a->base[hc + s]);
+            float *cm = a->comb + b * hc * hc;
             for (i64 i = 0; i < hc; i++) {
                 float *row = cm + i * hc, mx = -INFINITY, sum = 0.0f;
                 for (i64 j = 0; j < hc; j++) {
-                    row[j] = mb[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+                    row[j] = mb[2 * hc + i * hc + j] * a->scale[2] + a->base[2 * hc + i * hc + j];
                     if (row[j] > mx) mx = row[j];
                 }
                 for (i64 j = 0; j < hc; j++) {
                     row[j] = expf(row[j] - mx);
                     sum += row[j];
                 }
-                for (i64 j = 0; j < hc; j++) row[j] = row[j] / sum + hc_eps;
+                for (i64 j = 0; j < hc; j++) row[j] = row[j] / sum + a->hc_eps;
             }
-            sinkhorn_one(cm, hc, iters, hc_eps);
+            sinkhorn_one(cm, hc, a->iters, a->hc_eps);
         }
-        float *xb = x + b * D;
+        float *xb = a->x + b * D;
         for (i64 d = 0; d < D; d++) xb[d] = pre[0] * st[d];
         for (i64 t = 1; t < hc; t++)
             for (i64 d = 0; d < D; d++) xb[d] += pre[t] * st[t * D + d];
-        rms_norm_row(xb, D, norm_w, norm_eps, xb);
+        rms_norm_row(xb, D, a->norm_w, a->norm_eps, xb);
     }
+}
+
+void v4rl_hc_pre(const float *streams, i64 B, i64 hc, i64 D, const float *fn_packed, const float *base,
+                 const float *scale, float rms_eps, float hc_eps, i64 iters, const float *norm_w, float norm_eps,
+                 int head, float *post, float *comb, float *x, int threads) {
+    i64 width = hc * D, nmix = head ? hc : (2 + hc) * hc;
+    if (hc > 16) return;
+    float *mixes = arena_take(sizeof(float) * (size_t)(B * nmix));
+    if (mixes == NULL) return;
+    linear_parallel(streams, width, B, fn_packed, 1, nmix, width, mixes, nmix, threads);
+    hc_pre_t a = {streams, mixes, base, scale, norm_w, hc, D, iters, nmix, rms_eps, hc_eps, norm_eps, head, post,
+                  comb, x, B};
+    parallel_for(threads, (B + ROWS_PER_TASK - 1) / ROWS_PER_TASK, hc_pre_rows, &a);
     arena_give(mixes);
 }
 
 /* New streams after a block (layers.hc_merge): out[b,s,:] = post[b,s] * y[b,:] + sum_t comb[b,t,s] * streams[b,t,:]. */
-void v4rl_hc_post(const float *restrict streams, i64 B, i64 hc, i64 D, const float *restrict y,
-                  const float *restrict post, const float *restrict comb, float *restrict out) {
-    for (i64 b = 0; b < B; b++) {
-        const float *st = streams + b * hc * D, *yb = y + b * D, *cm = comb + b * hc * hc;
+typedef struct {
+    const float *streams, *y, *post, *comb;
+    i64 rows, hc, D;
+    float *out;
+} hc_post_t;
+
+static void hc_post_rows(void *ctx, i64 task, int worker) {
+    (void)worker;
+    const hc_post_t *a = (const hc_post_t *)ctx;
+    i64 hc = a->hc, D = a->D;
+    for (i64 b = task * ROWS_PER_TASK; b < (task + 1) * ROWS_PER_TASK && b < a->rows; b++) {
+        const float *restrict st = a->streams + b * hc * D, *restrict yb = a->y + b * D, *cm = a->comb + b * hc * hc;
         for (i64 s = 0; s < hc; s++) {
-            float *o = out + (b * hc + s) * D, p = post[b * hc + s];
+            float *restrict o = a->out + (b * hc + s) * D, p = a->post[b * hc + s];
             for (i64 d = 0; d < D; d++) o[d] = cm[s] * st[d];
             for (i64 t = 1; t < hc; t++)
                 for (i64 d = 0; d < D; d++) o[d] += cm[t * hc + s] * st[t * D + d];
             for (i64 d = 0; d < D; d++) o[d] = p * yb[d] + o[d];
         }
     }
+}
+
+void v4rl_hc_post(const float *streams, i64 B, i64 hc, i64 D, const float *y, const float *post, const float *comb,
+                  float *out, int threads) {
+    hc_post_t a = {streams, y, post, comb, B, hc, D, out};
+    parallel_for(threads, (B + ROWS_PER_TASK - 1) / ROWS_PER_TASK, hc_post_rows, &a);
 }
 
 /* ------------------------------------------------------------------------------------------ norms + RoPE */
@@ -208,30 +242,30 @@ static void sift_down(scored_t *h, i64 n, i64 i) {  /* min-heap by rank: the wor
     }
 }
 
-/* Lightning indexer: score_t = sum_h w_h * ReLU(q_h . k_t) * dim^-0.5 with w = wraw * heads^-0.5, over the
- * (pos+1)/rate entries whose window closed; keeps the top `topk` (ties: the earlier entry) and writes their
- * indices ascending into sel [rows, topk], -1 after. q: [rows, heads, dim] (RoPE applied); wraw: [rows, heads]
- * with row stride ldw; row r is a query of sequence r / rows_per_seq, whose entries are keys[seq] [cap, dim]
- * (decode: one query per sequence; prefill: every position). */
-void v4rl_indexer_select(const float *q, i64 rows, i64 heads, i64 dim, const float *wraw, i64 ldw, const float *keys,
-                         i64 cap, i64 rate, const i64 *pos, i64 rows_per_seq, i64 topk, i64 *sel) {
+typedef struct {
+    const float *q, *wraw, *keys;
+    const i64 *pos;
+    i64 rows, heads, dim, ldw, cap, rate, rows_per_seq, topk;
+    i64 *sel;
+} indexer_t;
+
+static void indexer_rows(void *ctx, i64 task, int worker) {
+    (void)worker;
+    const indexer_t *a = (const indexer_t *)ctx;
+    i64 topk = a->topk, heads = a->heads, dim = a->dim;
     scored_t *heap = malloc(sizeof(scored_t) * (size_t)(topk > 0 ? topk : 1));
-    unsigned char *keep = malloc((size_t)(cap > 0 ? cap : 1));
-    if (heap == NULL || keep == NULL) {
-        free(heap);
-        free(keep);
-        return;
-    }
+    unsigned char *keep = malloc((size_t)(a->cap > 0 ? a->cap : 1));
     float scale = 1.0f / sqrtf((float)dim), wscale = 1.0f / sqrtf((float)heads);
-    for (i64 b = 0; b < rows; b++) {
-        i64 n = (pos[b] + 1) / rate, kept = 0;
-        if (n > cap) n = cap;
-        i64 *out = sel + b * topk;
-        if (n <= topk) {
+    for (i64 b = task * ROWS_PER_TASK; b < (task + 1) * ROWS_PER_TASK && b < a->rows; b++) {
+        i64 n = (a->pos[b] + 1) / a->rate, kept = 0;
+        if (n > a->cap) n = a->cap;
+        i64 *out = a->sel + b * topk;
+        if (n <= topk || heap == NULL || keep == NULL) {  /* (out of memory: every entry, never silently none) */
             for (i64 t = 0; t < topk; t++) out[t] = t < n ? t : -1;
             continue;
         }
-        const float *qb = q + b * heads * dim, *wb = wraw + b * ldw, *kb = keys + (b / rows_per_seq) * cap * dim;
+        const float *qb = a->q + b * heads * dim, *wb = a->wraw + b * a->ldw;
+        const float *kb = a->keys + (b / a->rows_per_seq) * a->cap * dim;
         for (i64 t = 0; t < n; t++) {
             const float *k = kb + t * dim;
             float score = 0.0f;
@@ -257,6 +291,17 @@ void v4rl_indexer_select(const float *q, i64 rows, i64 heads, i64 dim, const flo
     }
     free(heap);
     free(keep);
+}
+
+/* Lightning indexer: score_t = sum_h w_h * ReLU(q_h . k_t) * dim^-0.5 with w = wraw * heads^-0.5, over the
+ * (pos+1)/rate entries whose window closed; keeps the top `topk` (ties: the earlier entry) and writes their
+ * indices ascending into sel [rows, topk], -1 after. q: [rows, heads, dim] (RoPE applied); wraw: [rows, heads]
+ * with row stride ldw; row r is a query of sequence r / rows_per_seq, whose entries are keys[seq] [cap, dim]
+ * (decode: one query per sequence; prefill: every position). */
+void v4rl_indexer_select(const float *q, i64 rows, i64 heads, i64 dim, const float *wraw, i64 ldw, const float *keys,
+                         i64 cap, i64 rate, const i64 *pos, i64 rows_per_seq, i64 topk, i64 *sel, int threads) {
+    indexer_t a = {q, wraw, keys, pos, rows, heads, dim, ldw, cap, rate, rows_per_seq, topk, sel};
+    parallel_for(threads, (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, indexer_rows, &a);
 }
 
 /* ------------------------------------------------------------------------------------------ attention */

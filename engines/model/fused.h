@@ -19,6 +19,11 @@ INTERNAL void parallel_for(int threads, i64 n_tasks, void (*fn)(void *, i64, int
 INTERNAL void *arena_take(size_t bytes);
 INTERNAL void arena_give(void *p);
 INTERNAL void gemm_packed(const float *x, i64 ldx, i64 M, const float *wp, i64 N, i64 K, float *out, i64 ldo);
+INTERNAL void linear_parallel(const float *x, i64 ldx, i64 M, const float *wp, i64 groups, i64 N, i64 K, float *out,
+                              i64 ldo, int threads);
+
+#define ROWS_PER_TASK 64
+/* Rows per task of the row-wise kernels (mHC, indexer) when they run on several threads. */
 
 static inline size_t round16(i64 n) { return (size_t)((n + 15) / 16 * 16); }
 

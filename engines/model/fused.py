@@ -1,21 +1,23 @@
-"""Fused native kernels for our model's decode step (fused.c), as tensor-level calls.
+"""Fused native kernels for our model (fused.c, fused_gemm.c, fused.h), as tensor-level calls.
 
-A decode step of a small DeepSeek-V4 is thousands of tiny torch ops (mHC weights, norms, RoPE, the
-compressors' window step, the lightning indexer, sink attention, routing, one matmul chain per expert),
-each paying eager PyTorch's per-op cost. fused.c computes each chain in one call, in float32 with the same
-formulas; its sums run in another order and exp/cos come from libm, so results differ from the torch ops by
-rounding only. engines/model/fused_decode.py runs a whole decode step with them and checks it against the
-torch ops (within `CHECK_BOUND`) before first use; dense projections stay torch matmuls.
+A decode step of a small DeepSeek-V4 is thousands of tiny torch ops (mHC weights, norms, RoPE, the compressors'
+window step, the lightning indexer, sink attention, routing, one matmul chain per expert), each paying eager
+PyTorch's per-op cost; a prefill attends to every earlier position although only the window and the chosen
+entries count. The C kernels compute each chain in one call, in float32 with the same formulas, and multiply
+through one packed-panel GEMM (weights laid out once by `pack`); sums run in another order and exp/cos come
+from libm, so results differ from the torch ops by rounding only. engines/model/fused_model.py runs whole
+forwards and decode steps with them and checks them against the torch ops (within its CHECK_BOUND) before
+first use.
 
-The library is built like kernels.py's (same cache, same atomic write), with -O3 and `-march=native`
-(the cache key then covers the CPU's feature flags; without a compiler that accepts it, portable flags),
-and loaded with ctypes, which releases the GIL during a call. `V4RL_NATIVE_KERNELS=0` turns it off with
-the other native kernels, `V4RL_FUSED_DECODE=0` only this one; without a compiler, or when the check
-fails, the torch ops run, with one warning.
+The library is built like kernels.py's (same cache, same atomic write), with -O3 and `-march=native` (the cache
+key then covers the CPU's feature flags; where the compiler refuses it, portable flags), and loaded with
+ctypes, which releases the GIL during a call. `V4RL_NATIVE_KERNELS=0` turns it off with the other native
+kernels, `V4RL_FUSED_DECODE=0` only this one; without a compiler, or when the check fails, the torch ops run,
+with one warning.
 
     from engines.model import fused
     fused.status()     # {"enabled": True, "library": ".../libv4rl_fused-<hash>.so", "error": None, "checked": {...}}
-    .venv/bin/python -m pytest tests/test_kernels.py -q
+    .venv/bin/python -m pytest tests/test_kernels.py tests/test_model.py -q
 """
 
 from __future__ import annotations
@@ -39,14 +41,14 @@ FLAG_SETS = (("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno"),
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _library = kernels.NativeLibrary(SOURCES, FLAG_SETS, {
-    "v4rl_hc_pre": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _F32, _F32, _I64, _P, _F32, _INT, _P, _P, _P]),
-    "v4rl_hc_post": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P]),
+    "v4rl_hc_pre": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _F32, _F32, _I64, _P, _F32, _INT, _P, _P, _P, _INT]),
+    "v4rl_hc_post": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _INT]),
     "v4rl_rms_norm": (None, [_P, _I64, _I64, _I64, _P, _F32, _P]),
     "v4rl_heads_norm_rope": (None, [_P, _I64, _I64, _I64, _I64, _F32, _INT, _P, _P, _I64, _P]),
     "v4rl_kv_store": (None, [_P, _I64, _I64, _I64, _P, _F32, _P, _P, _I64, _P, _P, _I64]),
     "v4rl_compress_step": (None, [_P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P, _I64, _P, _P, _P,
                                   _P, _F32, _P, _I64]),
-    "v4rl_indexer_select": (None, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _P]),
+    "v4rl_indexer_select": (None, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _INT]),
     "v4rl_attend": (None, [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _F32, _P, _P,
                            _I64, _P, _INT]),
     "v4rl_linear": (None, [_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _INT]),
@@ -101,21 +103,23 @@ def row_stride(t: torch.Tensor) -> int:
 
 
 def hc_pre(streams: torch.Tensor, fn_packed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg,
-           norm_w: torch.Tensor, norm_eps: float, *, head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_w: torch.Tensor, norm_eps: float, threads: int, *, head: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post [B, hc], comb [B, hc, hc], normed x [B, D]) of streams [B, hc, D]; head=True: hc_head + norm (x only).
     fn_packed: the mHC projection `pack`ed."""
     B, hc, D = streams.shape
     post, comb, x = streams.new_empty(B, hc), streams.new_empty(B, hc, hc), streams.new_empty(B, D)
     _library.lib.v4rl_hc_pre(ptr(streams), B, hc, D, ptr(fn_packed), ptr(base), ptr(scale), cfg.rms_norm_eps,
                              cfg.hc_eps, max(1, cfg.hc_sinkhorn_iters), ptr(norm_w), norm_eps, int(head), ptr(post),
-                             ptr(comb), ptr(x))
+                             ptr(comb), ptr(x), threads)
     return post, comb, x
 
 
-def hc_post(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, threads: int
+            ) -> torch.Tensor:
     B, hc, D = streams.shape
     out = torch.empty_like(streams)
-    _library.lib.v4rl_hc_post(ptr(streams), B, hc, D, ptr(y), ptr(post), ptr(comb), ptr(out))
+    _library.lib.v4rl_hc_post(ptr(streams), B, hc, D, ptr(y), ptr(post), ptr(comb), ptr(out), threads)
     return out
 
 
@@ -154,13 +158,13 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
 
 
 def indexer_select(q: torch.Tensor, wraw: torch.Tensor, keys: torch.Tensor, rate: int, positions: torch.Tensor,
-                   topk: int) -> torch.Tensor:
+                   topk: int, threads: int) -> torch.Tensor:
     """Indices [rows, topk] of the entries each query keeps (ascending, -1 after the last). keys [B, cap, dim];
     q [rows, heads, dim] with rows = B (decode) or B * S (prefill, sequence-major)."""
     rows, heads, dim = q.shape
     sel = torch.empty(rows, topk, dtype=torch.int64)
     _library.lib.v4rl_indexer_select(ptr(q), rows, heads, dim, ptr(wraw), row_stride(wraw), ptr(keys), keys.shape[1],
-                                     rate, ptr(positions), rows // keys.shape[0], topk, ptr(sel))
+                                     rate, ptr(positions), rows // keys.shape[0], topk, ptr(sel), threads)
     return sel
 
 

@@ -239,8 +239,8 @@ static void linear_task(void *ctx, i64 task, int worker) {
 
 /* out [M, groups*N] (row stride ldo) = for each group g: x[:, g*K:(g+1)*K] (row stride ldx) @ W_g^T, with the
  * groups' packed weights wp [groups, ceil(N/PANEL), K, PANEL] (groups = 1: a plain linear layer). */
-void v4rl_linear(const float *x, i64 ldx, i64 M, const float *wp, i64 groups, i64 N, i64 K, float *out, i64 ldo,
-                 int threads) {
+void linear_parallel(const float *x, i64 ldx, i64 M, const float *wp, i64 groups, i64 N, i64 K, float *out, i64 ldo,
+                     int threads) {
     i64 panels = (N + PANEL - 1) / PANEL;
     linear_t l = {x, wp, ldx, M, N, K, ldo, panels, 0, groups, K, out};
     i64 tasks = groups * ((M + ROW_BLOCK - 1) / ROW_BLOCK) * ((panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
@@ -389,3 +389,9 @@ int v4rl_moe(const float *x, i64 B, i64 D, i64 I, i64 E, i64 k, const float *gat
     return 0;
 }
 
+
+/* linear_parallel, exported (fused.py `linear`). */
+void v4rl_linear(const float *x, i64 ldx, i64 M, const float *wp, i64 groups, i64 N, i64 K, float *out, i64 ldo,
+                 int threads) {
+    linear_parallel(x, ldx, M, wp, groups, N, K, out, ldo, threads);
+}

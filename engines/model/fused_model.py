@@ -192,21 +192,25 @@ class FusedModel:
         rope = {kind: rope_cos_sin(freq, pos, torch.float32) for kind, freq in self._inv_freq.items()}
         threads = torch.get_num_threads()
         moe_work = len(ids) * (cfg.num_experts_per_tok + 1) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        rows, hc, D = streams.shape
+        mhc = _threads(threads, rows * hc * D * (2 + hc) * hc)
         for i, (layer, plan) in enumerate(zip(m.layers, plans)):
             post, comb, x = fused.hc_pre(streams, plan.hc_attn, layer.hc_attn_base, layer.hc_attn_scale, cfg,
-                                         layer.attn_norm.weight, layer.attn_norm.eps)
-            streams = fused.hc_post(streams, attention(i, layer.attn, plan, x, rope, threads), post, comb)
+                                         layer.attn_norm.weight, layer.attn_norm.eps, mhc)
+            streams = fused.hc_post(streams, attention(i, layer.attn, plan, x, rope, threads), post, comb, mhc)
             post, comb, x = fused.hc_pre(streams, plan.hc_ffn, layer.hc_ffn_base, layer.hc_ffn_scale, cfg,
-                                         layer.ffn_norm.weight, layer.ffn_norm.eps)
-            streams = fused.hc_post(streams, fused.moe(x, ids, plan.moe, _threads(threads, moe_work)), post, comb)
+                                         layer.ffn_norm.weight, layer.ffn_norm.eps, mhc)
+            streams = fused.hc_post(streams, fused.moe(x, ids, plan.moe, _threads(threads, moe_work)), post, comb, mhc)
         return streams
 
     def _logits(self, streams: torch.Tensor) -> torch.Tensor:
         m = self.model
         hc_head, head = self._head
+        threads = torch.get_num_threads()
+        rows, hc, D = streams.shape
         h = fused.hc_pre(streams, hc_head, m.hc_head_base, m.hc_head_scale, self.cfg, m.norm.weight, m.norm.eps,
-                         head=True)[2]
-        return head(h, torch.get_num_threads())
+                         _threads(threads, rows * hc * D * hc), head=True)[2]
+        return head(h, threads)
 
     def _queries(self, attn, plan: _LayerPlan, x: torch.Tensor, rope: dict, threads: int):
         """(projections by name, attention queries [rows, nh, hd], indexer queries or None, this layer's cos/sin)."""
@@ -247,8 +251,9 @@ class FusedModel:
             if attn.indexer is not None:
                 fused.compress_step(part["indexer.wkv"], part["indexer.wgate"], pos, cache.indexer,
                                     attn.indexer.compressor)
-                sel = fused.indexer_select(iq, part["indexer.weights_proj"], cache.indexer.entries, rate, pos,
-                                           cfg.index_topk)
+                keys = cache.indexer.entries
+                sel = fused.indexer_select(iq, part["indexer.weights_proj"], keys, rate, pos, cfg.index_topk,
+                                           _threads(threads, iq.numel() * keys.shape[1]))
         keys = cfg.sliding_window + _entry_keys(entries, sel)
         o = fused.attend(q, cache.window, pos, entries, rate, sel, attn.attn_sink, cos, sin,
                          _threads(threads, len(pos) * cfg.num_attention_heads * keys * cfg.head_dim * 2))
@@ -271,7 +276,7 @@ class FusedModel:
                 keys, idx_states = attn.indexer.compressor.full_projected(
                     part["indexer.wkv"].view(B, S, -1), part["indexer.wgate"].view(B, S, -1), keep_cache)
                 sel = fused.indexer_select(iq, part["indexer.weights_proj"], keys.contiguous(), rate, pos,
-                                           cfg.index_topk)
+                                           cfg.index_topk, _threads(threads, iq.numel() * keys.shape[1]))
         n_keys = cfg.sliding_window + _entry_keys(entries, sel)
         o = fused.attend(q, kv.view(B * S, -1), pos, entries, rate, sel, attn.attn_sink, cos, sin,
                          _threads(threads, B * S * cfg.num_attention_heads * n_keys * cfg.head_dim * 2),

@@ -19,6 +19,9 @@ autograd's) on random inputs: any difference (another torch version may reduce i
 usable compiler means the torch ops are used instead, with one warning that says why and how to fix it.
 Nothing changes numerically either way; only speed. V4RL_NATIVE_KERNELS=0 turns the kernels off.
 
+`NativeLibrary` is the build-and-load machinery; fused.py uses it for the fused prefill/decode kernels, which
+are checked within a bound instead (their sums run in another order), and `status()` reports both.
+
     from engines.model import kernels
     kernels.status()                 # {"enabled": True, "library": "...so", "error": None, "verified": {4: True}}
     .venv/bin/python -m pytest tests/test_kernels.py -q

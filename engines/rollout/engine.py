@@ -7,11 +7,16 @@ step for every running request (row i of one `DecodeBatch` is `_running[i]`; req
 positions share it). Callers on other threads talk to it only through futures, so HTTP handlers, tests and
 benchmarks never touch the model.
 
+The model runs through the fused native kernels (engines/model/fused_model.py; checked against the torch ops
+before first use, the torch ops where they do not apply), and a prefill projects only its last position to
+the vocabulary unless a request asks for prompt logprobs.
+
 Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, min_new_tokens,
 stop_token_ids, stop strings, ignore_eos, a per-request seed). Every request draws from its own
 torch.Generator seeded from its seed, so its tokens do not depend on what else is scheduled (up to
-float ties). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer recomputes
-(SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
+float ties); temperature-only rows sample by inverse CDF with one uniform draw each, all rows in one native
+call (sampling.py `sample_rows`). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer
+recomputes (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
 
 Control, with SGLang's semantics (reference/miles-sglang-megatron.md §2.2):
   pause(mode)   abort: finish everything with finish_reason abort | retract: running requests go back
@@ -31,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,6 +57,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     UpdateResult,
     weight_version_spans,
 )
+from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
 from engines.rollout.weights import (
     RawTensor,
@@ -65,8 +71,6 @@ from engines.rollout.weights import (
 )
 
 log = logging.getLogger("v4rl.rollout")
-PREFILL_CHUNK = 64
-"""Sequences per prefill forward (bounds the [B, S, vocab] logits tensor)."""
 
 
 class _Request:
@@ -90,15 +94,6 @@ class _Request:
     @property
     def sequence(self) -> list[int]:
         return self.spec.input_ids + self.output_ids
-
-
-@dataclass
-class _PrefixEntry:
-    cache: SequenceCache
-    last_logits: torch.Tensor
-    token_logprobs: list[float] | None
-    """logprob of token i given tokens < i, for i = 1 .. len-1; None when no request asked for prompt logprobs
-    (the prefill then skips the vocabulary projection of every position but the last)."""
 
 
 @dataclass
@@ -129,7 +124,7 @@ class RolloutEngine:
         self._running: list[_Request] = []
         self._batch: DecodeBatch | None = None
         """Decode caches of `_running`, row i for request i (None when nothing runs)."""
-        self._prefix: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
+        self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
@@ -372,22 +367,22 @@ class RolloutEngine:
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def _prefill(self, reqs: list[_Request]) -> None:
-        hits: dict[tuple[int, ...], _PrefixEntry] = {}
+        hits: dict[tuple[int, ...], PrefixEntry] = {}
         tops: dict[tuple[int, ...], int] = {}
         scored: set[tuple[int, ...]] = set()
         for r in reqs:
             key = tuple(r.sequence)
             wants_top = r.spec.top_logprobs_num if r.input_logprobs is None else 0
             wants_logprobs = r.input_logprobs is None and _wants_prompt_logprobs(r.spec)
-            cached = self._prefix.get(key)
-            if cached is not None and not wants_top and (cached.token_logprobs is not None or not wants_logprobs):
+            cached = None if wants_top else self._prefix.hit(key, needs_logprobs=wants_logprobs)
+            if cached is not None:
                 hits[key] = cached
-                self._prefix.move_to_end(key)
             else:
                 tops[key] = max(tops.get(key, 0), wants_top)
                 if wants_logprobs or wants_top:
                     scored.add(key)
-        fresh = self._prefill_sequences(tops, scored)
+        fresh, prefilled = self._prefix.prefill(tops, scored)
+        self._stats["prefill_tokens"] += prefilled
         seen: set[tuple[int, ...]] = set()
         started: list[tuple[_Request, SequenceCache]] = []
         for r in reqs:
@@ -411,38 +406,6 @@ class RolloutEngine:
             else:
                 self._batch.extend(rows)
             self._running.extend(r for r, _ in started)
-
-    def _prefill_sequences(self, tops: dict[tuple[int, ...], int], scored: set[tuple[int, ...]]
-                           ) -> dict[tuple[int, ...], tuple[_PrefixEntry, Any]]:
-        """Prefill each distinct sequence once (same lengths and same need for prompt logprobs batched); `tops`:
-        sequence -> top-k wanted; `scored`: the sequences whose prompt logprobs a request wants."""
-        out: dict[tuple[int, ...], tuple[_PrefixEntry, Any]] = {}
-        groups: dict[tuple[int, bool], list[tuple[int, ...]]] = {}
-        for k in tops:
-            groups.setdefault((len(k), k in scored), []).append(k)
-        for (_, all_logits), group in groups.items():
-            for i in range(0, len(group), PREFILL_CHUNK):
-                chunk = group[i:i + PREFILL_CHUNK]
-                ids = torch.tensor(chunk, dtype=torch.long)
-                logits, caches = self.model.prefill(ids, all_logits=all_logits)
-                logp = torch.log_softmax(logits.float(), dim=-1) if all_logits else None
-                token_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist() if all_logits else None
-                for j, key in enumerate(chunk):
-                    k = tops.get(key, 0)
-                    top = _topk_rows(logp[j, :-1], k) if k else None
-                    entry = _PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j] if all_logits else None)
-                    out[key] = (entry, top)
-                    self._remember(key, entry)
-                self._stats["prefill_tokens"] += ids.numel()
-        return out
-
-    def _remember(self, key: tuple[int, ...], entry: _PrefixEntry) -> None:
-        if self.config.prefix_cache_entries <= 0:
-            return
-        self._prefix[key] = entry
-        self._prefix.move_to_end(key)
-        while len(self._prefix) > self.config.prefix_cache_entries:
-            self._prefix.popitem(last=False)
 
     def _set_input_logprobs(self, r: _Request, token_lp: list[float] | None, top: list | None) -> None:
         n = len(r.spec.input_ids)
@@ -471,7 +434,7 @@ class RolloutEngine:
             r.output_logprobs.append(token_logprobs[i])
             if r.spec.top_logprobs_num:
                 raw = torch.log_softmax(logits[i:i + 1].float(), dim=-1)
-                r.output_top.append(_topk_rows(raw, r.spec.top_logprobs_num)[0])
+                r.output_top.append(topk_rows(raw, r.spec.top_logprobs_num)[0])
             self._stats["generated_tokens"] += 1
             reason = self._finish_reason(r, tok)
             if reason is None:
@@ -574,12 +537,6 @@ class RolloutEngine:
 def _wants_prompt_logprobs(spec: RequestSpec) -> bool:
     """Whether a request returns any prompt-token logprob (SGLang: from logprob_start_len; -1 means none)."""
     return spec.return_logprob and 0 <= spec.logprob_start_len < len(spec.input_ids) - 1
-
-
-def _topk_rows(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
-    """Per row of a [N, vocab] logprob tensor: the k best (logprob, token id) pairs."""
-    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
 
 
 def _load_tokenizer(model_dir: Path):

@@ -6,7 +6,9 @@ log_softmax of the unprocessed logits (temperature 1, no top-p/top-k truncation)
 trainer recomputes, so train/rollout differences measure the engines, not the sampler settings.
 
 Every request draws from its own torch.Generator seeded from (seed, sample index), so a request's
-tokens do not depend on what else is in the batch.
+tokens do not depend on what else is in the batch. `generate` (the bootstrap's evaluation) samples with
+torch.multinomial; the rollout engine's `sample_rows` by inverse CDF from blocks of uniform draws (one native
+call per step for every temperature-only row) - the same distribution, other draws.
 
     outs = generate(model, [prompt_ids], SamplingParams(temperature=1.0, max_new_tokens=16), n=8, seed=0)
 """
