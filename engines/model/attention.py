@@ -265,9 +265,11 @@ class Attention(nn.Module):
         pos = positions[:, 0]
         rows = torch.arange(x.shape[0], device=x.device)
         cache.window[rows, pos % W] = kv[:, 0].to(cache.window.dtype)  # the ring's oldest row: see decode_batch.py
-        keys = cache.window
-        # slot j holds position pos - ((pos - j) mod W): a real token once that is >= 0
-        allowed = ((pos[:, None] - torch.arange(W, device=x.device)) % W <= pos[:, None]).unsqueeze(1)  # [B, 1, W]
+        # The window's keys in position order (pos-W+1 .. pos), so sums run in the order they always did; slots
+        # before the sequence's start are masked by position.
+        order = (pos[:, None] + torch.arange(1 - W, 1, device=x.device)) % W
+        keys = cache.window[rows[:, None], order]  # [B, W, hd], this token last
+        allowed = (torch.arange(W, device=x.device) >= (W - 1 - pos)[:, None]).unsqueeze(1)  # [B, 1, W]
         if self.compressor is not None:
             self.compressor.step(x[:, 0], cache.compressor, pos)
             entries = cache.compressor.entries
