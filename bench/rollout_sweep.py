@@ -12,7 +12,7 @@ process with the same intra-op thread setting.
 The cases cover hidden 128-512, index top-k 4-64, 8-64 routed experts (top-2 to top-6), every layer type
 (sliding, CSA, HCA), hash and top-k MoE, and compress rates 4/128 (what SGLang accepts) plus one case at
 8/32. Prompts are longer than the HCA rate, so every compressed branch has entries while decoding, and
-for the top-k 64 case longer than 4 x 64 + 4, so the indexer really selects.
+longer than CSA rate x (index top-k + 1), so the indexer really selects.
 
 Per case, `decode_step` says where a step's time goes at 1 thread (same style as bench/rollout.py's
 breakdown: aten ops dispatched, wall ms, matmul ms, both sides on the same rows after the same prefill)
@@ -85,7 +85,7 @@ CASES = (
                                                    heads=6, head_dim=64, experts=32, top_k=4, index_topk=32,
                                                    index_heads=8, index_dim=32, rates=(8, 32), window=48, o_groups=3,
                                                    vocab=2048),
-              batch=32, prompt_len=192, new_tokens=64),
+              batch=24, prompt_len=288, new_tokens=64),
     SweepCase("h512-e64-topk64", _model(hidden=512, layer_types=[SLIDING, CSA, HCA, CSA], hash_layers=1, heads=8,
                                          head_dim=128, experts=64, top_k=6, index_topk=64, index_heads=16,
                                          index_dim=64, rates=(4, 128), window=128, o_groups=8, vocab=4096),
