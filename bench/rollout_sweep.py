@@ -14,9 +14,10 @@ The cases cover hidden 128-512, index top-k 4-64, 8-64 routed experts (top-2 to 
 8/32. Prompts are longer than the HCA rate, so every compressed branch has entries while decoding, and
 longer than CSA rate x (index top-k + 1), so the indexer really selects.
 
-Per case, `decode_step` says where a step's time goes at 1 thread (same style as bench/rollout.py's
-breakdown: aten ops dispatched, wall ms, matmul ms, both sides on the same rows after the same prefill)
-and `prefill` times one prefill of the batch on both sides: what remains when the goal is not met.
+Per case, `decode_step` says where a step's time goes at 1 thread (bench/decode_profile.py, as in
+bench/rollout.py's breakdown: aten ops dispatched, wall ms, aten matmul ms, both sides on the same rows after
+the same prefill, and for ours the ms in each fused kernel) and `prefill` times one prefill of the batch on
+both sides: where the time goes when a goal is not met.
 
     v4rl bench rollout --config-sweep --json runs/bench/rollout-sweep.json     # ~10 min on 2 idle cores
 """
@@ -39,7 +40,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from bench import load_average, machine_info  # noqa: E402
-from bench.rollout import THREAD_SETTINGS, _hf_generate, _profile_step, _timed  # noqa: E402
+from bench.decode_profile import step_profiles, timed  # noqa: E402
+from bench.rollout import THREAD_SETTINGS, _hf_generate  # noqa: E402
 from engines.model import kernels  # noqa: E402
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig  # noqa: E402
 
@@ -161,7 +163,7 @@ def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.T
                 SGLangClient(server.url, timeout=1800) as client:
             def ours(batch: list[list[int]], params: dict[str, Any]) -> float:
                 server.engine.flush_cache()  # every run prefills from scratch
-                return _timed(lambda: client.generate_ids(batch, params, return_logprob=True))
+                return timed(lambda: client.generate_ids(batch, params, return_logprob=True))
 
             def hf(batch: torch.Tensor, n_new: int) -> float:
                 return worker.submit(_hf_generate, reference, batch, n_new).result()
@@ -182,7 +184,6 @@ def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.T
 
 def _breakdown(model_dir: Path, reference, prompts: torch.Tensor, steps: int = 5) -> dict[str, Any]:
     """At 1 thread: one prefill of the batch and one decode step after it, both sides (see module docstring)."""
-    from engines.model import DecodeBatch
     from engines.score import load_ours
 
     threads = torch.get_num_threads()
@@ -192,23 +193,22 @@ def _breakdown(model_dir: Path, reference, prompts: torch.Tensor, steps: int = 5
     try:
         with torch.inference_mode():
             tokens = prompts[:, -1].clone()
-            prefill = {"ours_s": min(_timed(lambda: ours.prefill(prompts)) for _ in range(2)),
-                       "transformers_s": min(_timed(lambda: reference(input_ids=prompts, use_cache=True,
-                                                                      logits_to_keep=1)) for _ in range(2))}
+            ours.prefill(prompts[:2], all_logits=False)  # the fused kernels' check happens on first use
+            prefill = {"ours_s": min(timed(lambda: ours.prefill(prompts, all_logits=False)) for _ in range(2)),
+                       "transformers_s": min(timed(lambda: reference(input_ids=prompts, use_cache=True,
+                                                                     logits_to_keep=1)) for _ in range(2))}
             prefill["speedup"] = prefill["transformers_s"] / prefill["ours_s"]
-            batch = DecodeBatch.from_caches(ours.cfg, ours.prefill(prompts)[1])
-            mine = _profile_step(lambda: ours.decode(tokens, batch), steps)
-            past = reference(input_ids=prompts, use_cache=True).past_key_values
-            theirs = _profile_step(lambda: reference(input_ids=tokens[:, None], past_key_values=past, use_cache=True),
-                                   steps)
+            mine, theirs = step_profiles(ours, reference, prompts, tokens, steps)
     finally:
         torch.set_num_threads(threads)
     return {"prefill": prefill,
             "decode_step": {"rows": len(prompts), "threads": 1, "ours": mine, "transformers": theirs,
                             "speedup": theirs["step_ms"] / mine["step_ms"],
-                            "note": "ops: aten ops per step (a fused kernel call is not one); matmul_ms: profiler "
-                                    "self time of mm/bmm/addmm/baddbmm; transformers' prefill keeps only the "
-                                    "last position's logits (generate's logits_to_keep=1), ours all of them"}}
+                            "note": "bench/decode_profile.py: ops are aten ops per step (a fused kernel call is not "
+                                    "one), matmul_ms the profiler self time of aten mm/bmm/addmm/baddbmm (ours "
+                                    "multiply inside the fused linear and moe), kernels_ms wall ms per step in each "
+                                    "fused kernel; both prefills project only the last position to the vocabulary "
+                                    "(transformers: logits_to_keep=1, as generate)"}}
 
 
 # ---------------------------------------------------------------------------------------------- output

@@ -12,12 +12,13 @@ import pytest
 
 import torch
 
-from bench.rollout import _profile_step, main
+from bench.decode_profile import profile_step
+from bench.rollout import main
 
 
 def test_profile_step_counts_dispatched_ops_and_matmul_time():
     a = torch.randn(64, 64)
-    stats = _profile_step(lambda: torch.mm(a, a).relu() + 1, steps=3)
+    stats = profile_step(lambda: torch.mm(a, a).relu() + 1, steps=3)
     assert stats["ops"] == 3  # mm, relu, add
     assert 0 < stats["matmul_ms"] and 0 < stats["step_ms"]
 
@@ -33,10 +34,9 @@ def test_bench_rollout_writes_its_json(tiny_checkpoint, tmp_path):
     assert all(len(run["runs_s"]) == 1 for run in t["by_threads"].values())
     assert u["update_total_s"] == pytest.approx(u["export_quantize_s"] + u["load_post_process_s"])
     d = result["decode_step"]
-    for side in (d["ours"], d["transformers"]):
-        assert side["ops"] > 100 and 0 < side["matmul_ms"]
-    assert d["speedup_bound_matmul_only"] == pytest.approx(d["transformers"]["step_ms"] / d["ours"]["matmul_ms"])
-    assert d["ours_generation_matmul_ms"] > d["ours"]["matmul_ms"]  # prefill + 31 steps > one step
+    assert d["transformers"]["ops"] > 1000 and 0 < d["transformers"]["matmul_ms"]
+    assert d["ours"]["ops"] < d["transformers"]["ops"] and {"linear", "moe", "attend"} <= set(d["ours"]["kernels_ms"])
+    assert d["ours_generation_model_ms"] > d["ours"]["step_ms"]  # prefill + 31 steps > one step
     assert set(result["goals"]) == {"throughput_vs_transformers", "update_vs_restart"}
 
 

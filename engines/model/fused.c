@@ -14,32 +14,9 @@
  * fixed order, so results do not depend on the thread count.
  */
 #include "fused.h"
+#include "sinkhorn.h"
 
 /* ------------------------------------------------------------------------------------------ mHC */
-/* Sinkhorn normalisation of one n x n matrix (columns first), as layers.sinkhorn_torch. */
-static void sinkhorn_one(float *a, i64 n, i64 iters, float eps) {
-    for (i64 it = 0; it < iters; it++) {
-        if (it > 0)
-            for (i64 r = 0; r < n; r++) {
-                float s = a[r * n];
-                for (i64 c = 1; c < n; c++) s += a[r * n + c];
-                s += eps;
-                for (i64 c = 0; c < n; c++) a[r * n + c] /= s;
-            }
-        for (i64 c = 0; c < n; c++) {
-            float s = a[c];
-            for (i64 r = 1; r < n; r++) s += a[r * n + c];
-            s += eps;
-            for (i64 r = 0; r < n; r++) a[r * n + c] /= s;
-        }
-    }
-}
-
-/* mHC weights of B rows of hc streams [B, hc, D] (layers.hc_weights, then the block's input RMSNorm):
- *   post [B, hc], comb [B, hc, hc] (Sinkhorn of softmax + eps), x [B, D] = norm(sum_s pre_s * stream_s).
- * head != 0 computes layers.hc_head instead (fn has hc rows, scale one entry; post and comb unused).
- * fn_packed: fn [nmix, hc*D] packed in panels (see packed GEMM). iters >= 1 (the torch loop normalises
- * the columns once even for 0; callers pass >= 1). */
 typedef struct {
     const float *streams, *mixes, *base, *scale, *norm_w;
     i64 hc, D, iters, nmix;
@@ -76,7 +53,7 @@ static void hc_pre_rows(void *ctx, i64 task, int worker) {
                 }
                 for (i64 j = 0; j < hc; j++) row[j] = row[j] / sum + a->hc_eps;
             }
-            sinkhorn_one(cm, hc, a->iters, a->hc_eps);
+            sinkhorn_matrix(cm, hc, a->iters, a->hc_eps);
         }
         float *xb = a->x + b * D;
         for (i64 d = 0; d < D; d++) xb[d] = pre[0] * st[d];

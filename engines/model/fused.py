@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from engines.model import kernels
 
 SOURCES = (Path(__file__).with_name("fused.c"), Path(__file__).with_name("fused_gemm.c"))
-HEADERS = (Path(__file__).with_name("fused.h"),)
+HEADERS = (Path(__file__).with_name("fused.h"), Path(__file__).with_name("sinkhorn.h"))
 FLAG_SETS = (("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno"),
              ("-O3", "-fPIC", "-shared", "-fno-math-errno"))
 """-march=native first (AVX-512/AVX2 dot products), portable flags where the compiler refuses it.

@@ -46,6 +46,7 @@ import torch
 
 log = logging.getLogger("v4rl.kernels")
 SOURCE = Path(__file__).with_name("kernels.c")
+HEADERS = (SOURCE.with_name("sinkhorn.h"),)
 CFLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 """No fused multiply-add and no reassociation: both would round differently from torch."""
 BUILD_TIMEOUT_S = 120
@@ -74,7 +75,7 @@ def _cpu_identity() -> bytes:
 
 
 def build(out_dir: Path | None = None, *, sources: tuple[Path, ...] = (SOURCE,), cflags: tuple[str, ...] = CFLAGS,
-          headers: tuple[Path, ...] = ()) -> Path:
+          headers: tuple[Path, ...] = HEADERS) -> Path:
     """Compile `sources` into one library in `out_dir` (default cache_dir()) unless the same build is there (the key
     covers the sources, the headers they include, the compiler, its flags and the machine); returns the .so."""
     compiler = os.environ.get("CC", "cc")
@@ -154,7 +155,7 @@ class NativeLibrary:
 
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_sinkhorn_library = NativeLibrary((SOURCE,), (CFLAGS,), {
+_sinkhorn_library = NativeLibrary((SOURCE,), (CFLAGS,), headers=HEADERS, signatures={
     "v4rl_sinkhorn": (None, [_P, _I64, _I64, _I64, _F32]),
     "v4rl_sinkhorn_backward": (_INT, [_P, _P, _P, _I64, _I64, _I64, _F32]),
 })
