@@ -378,9 +378,9 @@ void v4rl_attend(const float *q, i64 rows, i64 heads, i64 dim, const float *wind
 
 /* ------------------------------------------------------------------------------------------ sampling */
 /* One token per row of logits [B, V] (the rollout engine's plain-temperature rows): with temperature t > 0 the
- * first token whose cumulative weight exp((logit - max) / t), summed in float64 in index order, exceeds u times
- * the row's total, for the row's uniform draw u in [0, 1) (inverse-CDF sampling); t == 0 takes the first
- * maximum. logprob: the RAW log-softmax
+ * first token whose cumulative weight exp((logit - max) / t) (float32 exp, summed in float64 in index order)
+ * exceeds u times the row's total, for the row's uniform draw u in [0, 1) (inverse-CDF sampling); t == 0 takes
+ * the first maximum. logprob: the RAW log-softmax
  * of the unprocessed logits at the chosen token (what a trainer recomputes). */
 void v4rl_sample(const float *logits, i64 B, i64 V, const float *temperature, const double *uniform, i64 *token,
                  float *logprob) {
@@ -394,15 +394,20 @@ void v4rl_sample(const float *logits, i64 B, i64 V, const float *temperature, co
                 best = v;
             }
         double raw = 0.0;
-        for (i64 v = 0; v < V; v++) raw += exp((double)l[v] - mx);
+        for (i64 v = 0; v < V; v++) raw += (double)expf(l[v] - mx);
         i64 chosen = best;
-        if (temperature[b] > 0.0f) {
-            double inv_t = 1.0 / temperature[b], total = 0.0, acc = 0.0;
-            for (i64 v = 0; v < V; v++) total += exp(((double)l[v] - mx) * inv_t);
+        float t = temperature[b];
+        if (t > 0.0f) {  /* at temperature 1 the weights are the raw ones: no second pass of exp */
+            float inv_t = 1.0f / t;
+            double total = raw, acc = 0.0;
+            if (t != 1.0f) {
+                total = 0.0;
+                for (i64 v = 0; v < V; v++) total += (double)expf((l[v] - mx) * inv_t);
+            }
             double target = uniform[b] * total;
             chosen = V - 1;  /* rounding can leave the running sum a hair below the target at the end */
             for (i64 v = 0; v < V; v++) {
-                acc += exp(((double)l[v] - mx) * inv_t);
+                acc += (double)expf(t != 1.0f ? (l[v] - mx) * inv_t : l[v] - mx);
                 if (acc > target) {
                     chosen = v;
                     break;
@@ -410,6 +415,6 @@ void v4rl_sample(const float *logits, i64 B, i64 V, const float *temperature, co
             }
         }
         token[b] = chosen;
-        logprob[b] = (float)((double)l[chosen] - mx - log(raw));
+        logprob[b] = (float)((double)(l[chosen] - mx) - log(raw));
     }
 }

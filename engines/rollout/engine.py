@@ -124,6 +124,8 @@ class RolloutEngine:
         self._running: list[_Request] = []
         self._batch: DecodeBatch | None = None
         """Decode caches of `_running`, row i for request i (None when nothing runs)."""
+        self._last_decode: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
         self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
         self._session: dict[str, RawTensor] | None = None
@@ -424,10 +426,15 @@ class RolloutEngine:
     @torch.inference_mode()
     def _decode_step(self) -> None:
         rows = self._running
-        logits = torch.stack([r.next_logits for r in rows])
+        last = self._last_decode
+        if last is not None and len(last[1]) == len(rows) and all(r.next_logits is v for r, v in zip(rows, last[1])):
+            logits = last[0]  # every row continues from the last step, in order: no per-row gather
+        else:
+            logits = torch.stack([r.next_logits for r in rows])
         banned = {i: sorted(r.stop_ids) for i, r in enumerate(rows)
                   if len(r.output_ids) < r.spec.min_new_tokens and r.stop_ids}
         tokens, token_logprobs = sample_rows(logits, [r.spec.sampling for r in rows], [r.stream for r in rows], banned)
+        self._stats["generated_tokens"] += len(rows)
         keep: list[_Request] = []
         for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.output_ids.append(tok)
@@ -435,17 +442,19 @@ class RolloutEngine:
             if r.spec.top_logprobs_num:
                 raw = torch.log_softmax(logits[i:i + 1].float(), dim=-1)
                 r.output_top.append(topk_rows(raw, r.spec.top_logprobs_num)[0])
-            self._stats["generated_tokens"] += 1
             reason = self._finish_reason(r, tok)
             if reason is None:
                 keep.append(r)
             else:
                 self._finish(r, reason)
         self._keep_running(keep)
+        self._last_decode = None
         if keep:
             nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch)
-            for i, r in enumerate(keep):
-                r.next_logits = nxt[i]
+            views = nxt.unbind(0)
+            for r, v in zip(keep, views):
+                r.next_logits = v
+            self._last_decode = (nxt, views)
 
     def _keep_running(self, keep: list[_Request]) -> None:
         """Shrink `_running` (and its decode rows) to `keep`, a subsequence of it."""

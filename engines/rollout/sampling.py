@@ -117,8 +117,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], streams: lis
                 banned: dict[int, list[int]] | None = None) -> tuple[list[int], list[float]]:
     """The rollout engine's tokens for every row of [B, vocab] logits, and each token's RAW logprob (log_softmax of
     the unprocessed logits). Plain rows (`is_plain`) sample by inverse CDF with one draw of their stream: the first
-    token whose cumulative weight exp((logit - max) / temperature), summed in float64 in index order, exceeds the
-    draw times the total (temperature 0: the first maximum), in one native call for all of them (fused.c
+    token whose cumulative weight exp((logit - max) / temperature) (float32, summed in float64 in index order)
+    exceeds the draw times the total (temperature 0: the first maximum), in one native call for all of them (fused.c
     `v4rl_sample`; the same algorithm in torch ops where the kernels are off). Other rows go through `sample_token`
     with the stream's generator. `banned`: row -> token ids it may not sample (min_new_tokens), its RAW logprob
     still from the unmodified logits. A row's token never depends on the other rows."""
@@ -152,11 +152,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], streams: lis
 
 def _sample_torch(rows: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
                   ) -> tuple[list[int], list[float]]:
-    """`v4rl_sample` in torch ops (same algorithm; sums may round in another order)."""
+    """`v4rl_sample` in torch ops: the same float32 exponentials summed in float64 (in another order)."""
     top, best = rows.max(dim=-1, keepdim=True)
-    shifted = rows.double() - top.double()
-    raw = shifted - torch.logsumexp(shifted, dim=-1, keepdim=True)
-    weights = torch.exp(shifted / temperatures.double().clamp_min(1e-300)[:, None]).cumsum(-1)
+    shifted = rows - top
+    raw = shifted.double() - shifted.exp().double().sum(-1, keepdim=True).log()
+    scaled = shifted * (1 / temperatures.clamp_min(1e-30))[:, None]
+    weights = torch.where((temperatures == 1)[:, None], shifted, scaled).exp().double().cumsum(-1)
     chosen = torch.searchsorted(weights, (uniforms * weights[:, -1])[:, None], right=True)[:, 0]
     chosen = torch.where(temperatures > 0, chosen.clamp_max(rows.shape[-1] - 1), best[:, 0])
     return chosen.tolist(), raw.gather(1, chosen[:, None])[:, 0].float().tolist()
