@@ -10,7 +10,8 @@ by import path with TRL's contract, its failures counted as grader errors.
     (picklable: imported by path in each worker), gets the prompt text, scores each sample, and a sample it fails on
     (raise, NaN, None, a bare float, the wrong count, a string) scores 0 and is counted; over the cap, GraderFailed;
   - a few GRPO steps on a DAPO-format file (message-list prompts, integer labels): once graded by math-verify, once
-    by a plugged-in reward (process pool), with its failures in metrics.jsonl and events.jsonl.
+    by a plugged-in reward (process pool), with its failures in metrics.jsonl and events.jsonl; the Prefect form
+    offers both settings, and an rl-pipeline run (real Prefect server on 127.0.0.1) trains with a plugged-in reward.
 
     .venv/bin/python -m pytest tests/test_user_reward.py -q
 """
@@ -30,8 +31,10 @@ import rl.reward_spec
 import rl.rewards
 from rl.grading import GraderFailed
 from rl.loop import Completion, LoopConfig, rollout_step
-from rl.reward_spec import (RewardCheckFailed, RewardSpecError, check_reward, check_reward_spec, resolve_reward)
+from rl.reward_spec import RewardCheckFailed, RewardSpecError, check_reward, check_reward_spec, resolve_reward
+from tests.prefect_server import prefect_server  # noqa: F401
 
+TINY_BASE = Path(__file__).parent / "assets" / "tiny-base"
 MODULE = "v4rl_test_user_rewards"
 REWARDS = textwrap.dedent('''
     """Reward functions a user would write (TRL's contract), and ones that break it."""
@@ -212,9 +215,6 @@ def test_preflight_calls_a_user_reward_on_one_sample(tmp_path):
         preflight.fn("tiny-cpu", train_data=str(data), hf_checkpoint=str(TINY_BASE), reward=f"{MODULE}:score")
 
 
-TINY_BASE = Path(__file__).parent / "assets" / "tiny-base"
-
-
 # ============================================================================================== through rl.loop
 
 
@@ -330,3 +330,32 @@ def test_training_on_dapo_format_data_with_a_plugged_in_reward(tiny_base, tmp_pa
     (failure,) = [e for e in events if e["action"] == "grader_error"]
     assert failure["step"] == 1 and "KeyError: 'no reference for 77'" in failure["message"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == f"{MODULE}:score"
+
+
+# ============================================================================================== the flow
+
+
+def test_the_flow_form_offers_the_reward_and_a_pipeline_run_trains_with_it(prefect_server, tiny_base, tmp_path):  # noqa: F811
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import rl_pipeline
+
+    form = parameter_schema(rl_pipeline).model_dump()["definitions"]["PipelineParams"]["properties"]
+    assert form["reward"]["default"] == "auto" and "module:function" in form["reward"]["description"]
+    assert form["eval_reward"]["default"] == "auto" and "pass@k" in form["eval_reward"]["description"]
+
+    train = _dapo_file(tmp_path / "train.jsonl", [(12, 30), (25, 17), (40, 37), (33, 11)])
+    held_out = _dapo_file(tmp_path / "eval.jsonl", [(21, 21), (15, 16), (30, 14), (27, 13)])
+    params = PipelineParams.preset_defaults(
+        "tiny-cpu", run_key="user-reward", runs_root=str(tmp_path / "runs"), hf_checkpoint=str(tiny_base), steps=2,
+        eval_interval=2, prompts_per_step=4, n_samples=4, n_eval=4, eval_samples=4, align_prompts=2, use_ray=False,
+        train_data=str(train), eval_data=str(held_out), reward=f"{MODULE}:score", eval_reward="math-verify")
+    state = rl_pipeline(params, return_state=True)
+    assert state.is_completed(), state
+    run_dir = tmp_path / "runs" / "user-reward"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rollout/grader_errors"]) for r in rows] == [(1, 4), (2, 4)]  # the 40+37 group each step
+    assert json.loads((run_dir / "config.json").read_text())["reward"] == f"{MODULE}:score"
+    evals = [json.loads((run_dir / "eval" / f"step_00000{s}.json").read_text()) for s in (0, 2)]
+    assert [(e["n_problems"], e["grader_errors"]) for e in evals] == [(4, 0), (4, 0)]
