@@ -99,7 +99,7 @@ class PipelineParams(BaseModel):
     def _reward_reaches_the_trainer(self) -> "PipelineParams":
         if self.preset != "tiny-cpu" and self.reward not in ("auto", "math-verify"):
             raise ValueError(f"reward={self.reward!r} applies to the embedded tiny-cpu run only; on {self.preset} Miles "
-                             "grades with --rm-type math (math-verify's counterpart): leave reward at auto or "
+                             "grades with its own --rm-type math: leave reward at auto or "
                              "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
         return self
 

@@ -8,7 +8,9 @@ What it does
     ``literal``           the last ``\\boxed{}`` must be a plain number equal to the label (the synthetic task, where
                           restating ``47+38`` is not an answer)
     ``math-verify``       the last ``\\boxed{}`` equals the label under math-verify (``\\frac12`` = ``0.5``,
-                          ``1,000`` = ``1000``; what Miles' ``--rm-type math`` grades)
+                          ``1,000`` = ``1000``); Miles' ``--rm-type math`` agrees except that it refuses an
+                          unevaluated expression for an integer label (``47+38`` for ``85``) and an unreduced
+                          fraction (tests/conformance/test_miles_reward_and_data.py)
     ``module:function``   the user's reward function (contract below), imported by path in every process that
                           grades (the training driver, each process-pool worker, the Prefect evaluation task)
 
