@@ -97,10 +97,12 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _reward_reaches_the_trainer(self) -> "PipelineParams":
-        if self.preset != "tiny-cpu" and self.reward not in ("auto", "math-verify"):
-            raise ValueError(f"reward={self.reward!r} applies to the embedded tiny-cpu run only; on {self.preset} Miles "
-                             "grades with its own --rm-type math: leave reward at auto or "
-                             "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
+        for name in ("reward", "eval_reward"):
+            value = getattr(self, name)
+            if self.preset != "tiny-cpu" and value not in ("auto", "math-verify"):
+                raise ValueError(f"{name}={value!r} applies to the embedded tiny-cpu run only; on {self.preset} Miles "
+                                 "trains, evaluates and grades with its own --rm-type math: leave it at auto or "
+                                 "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
         return self
 
     @field_validator("store_url")

@@ -106,6 +106,7 @@ def check_reward_spec(spec: str, what: str = "reward") -> str:
     return text
 
 
+@functools.lru_cache(maxsize=None)  # per process: every sample a worker grades would otherwise re-resolve it
 def load_reward_function(path: str, what: str = "reward") -> Callable[..., Any]:
     """The function at ``package.module:function`` (``function`` may be dotted), its signature checked."""
     fn = _import(path, what)
@@ -113,9 +114,7 @@ def load_reward_function(path: str, what: str = "reward") -> Callable[..., Any]:
     return fn
 
 
-@functools.lru_cache(maxsize=None)
 def _import(path: str, what: str) -> Callable[..., Any]:
-    # Cached per process: each grading call of a process-pool worker would otherwise re-resolve the path.
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute or ":" in attribute:
         raise RewardSpecError(f"{what}={path!r} must look like package.module:function (one colon, both sides "
