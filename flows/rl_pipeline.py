@@ -54,15 +54,15 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
 
     preflight(params.preset, params.seed, hf_checkpoint=params.hf_checkpoint, train_data=params.train_data,
               eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
-              reward=params.reward, eval_reward=params.eval_reward)
+              reward=params.reward, eval_reward=params.eval_reward, miles=_miles(params))
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"))
     verify(converted["dst"], params.hf_checkpoint)
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
                       prompts=params.align_prompts, threshold=params.align_threshold, artifact_key=f"{artifact}-align")
 
     if params.preset != "tiny-cpu":  # the cluster path: Miles trains, evaluates and checkpoints on MI355X
-        outcome = train_on_cluster(params.preset, key, params.hf_checkpoint, converted["dst"],
-                                   str(run_dir / "miles-checkpoints"))
+        miles = _miles(params)
+        outcome = train_on_cluster(params.preset, miles["site"], miles["job"], miles["overrides"])
         return {"run_dir": str(run_dir), "miles": outcome, "alignment": alignment,
                 "manifest": upload_artifacts(str(run_dir), **store).get("manifest")}
     evaluate(str(run_dir), params.hf_checkpoint, 0, params.n_eval, params.eval_samples, params.seed,
@@ -81,6 +81,15 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log.info("report: %s; artifacts: %s", report["report"], uploaded.get("manifest"))
     return {"run_dir": str(run_dir), "summary": report["summary"], "alignment": alignment,
             "manifest": uploaded.get("manifest")}
+
+
+def _miles(p: PipelineParams) -> dict | None:
+    """The Miles job of a cluster preset (site, paths, preset overrides), as plain dicts for the tasks."""
+    if p.preset == "tiny-cpu":
+        return None
+    site, job = p.site(), p.miles_job()
+    return {"site": dataclasses.asdict(site), "job": dataclasses.asdict(job), "overrides": p.miles_overrides(),
+            "miles_dir": p.miles_check_dir, "megatron_dir": p.megatron_check_dir}
 
 
 def _eval_data(p: PipelineParams) -> dict:

@@ -1,6 +1,11 @@
 """Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), the data
 loads (with enough usable rows; bad rows are counted and named), and each dataset's reward works: a built-in
-grader on its golden cases, a user's reward function on one sample of its data (rl/reward_spec.py)."""
+grader on its golden cases, a user's reward function on one sample of its data (rl/reward_spec.py).
+
+On the cluster path it also builds the Miles job exactly as it will be submitted and has Miles' own parser
+check it on CPU (engines/train/miles/preflight.py): a missing site parameter (RAY_ADDRESS, MASTER_ADDR, an
+interface), a layout Miles cannot run, a Miles checkout that rejects a flag, a value Miles resolves differently
+or a dataset file that does not exist stops the run here, before anything is submitted."""
 
 from __future__ import annotations
 
@@ -11,11 +16,13 @@ from prefect.cache_policies import NO_CACHE
 @task(name="preflight", cache_policy=NO_CACHE)
 def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data: str = "", eval_data: str = "",
               prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8, reward: str = "auto",
-              eval_reward: str = "auto") -> dict:
+              eval_reward: str = "auto", miles: dict | None = None) -> dict:
+    """`miles` (cluster presets): {"site": Site fields, "job": MilesJob fields, "overrides": preset overrides,
+    "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones)}."""
     from engines.launch import preflight_plan
     from rl.math_task import make_splits
 
-    plan = preflight_plan(preset)  # raises InfeasibleLayout naming each violated rule and its fix
+    plan = preflight_plan(preset, (miles or {}).get("overrides"))  # InfeasibleLayout naming each rule and fix
     train, held_out = make_splits(64, 16, seed)
     out = {"feasible": plan.feasible, "train_rows": len(train), "eval_rows": len(held_out),
            "layout": str(getattr(plan, "layout", ""))}
@@ -30,6 +37,8 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
     for what, spec, path, synthetic in (("reward", reward, train_data, train[0]),
                                         ("eval_reward", eval_reward, eval_data, held_out[0])):
         out[f"{what}_cases_checked"] = _check_reward(spec, what, path, synthetic)  # raises RewardCheckFailed
+    if miles is not None:
+        out["miles"] = _check_miles_job(preset, miles)
     return out
 
 
@@ -44,6 +53,34 @@ def _check_reward(spec: str, what: str, data_file: str, synthetic: dict) -> int:
         first = load_prompt_dataset(data_file)[0][0]
         prompt, label = first.prompt_text, first.label
     return check_reward(choice, prompt, label, what)
+
+
+def _check_miles_job(preset: str, miles: dict) -> dict:
+    """Build the job as run_job will and run Miles' parse_args on it; MilesRejected (not retried) when refused."""
+    from pathlib import Path
+
+    from engines.profiles import get_profile
+    from engines.run_presets import resolve
+    from engines.site import Site
+    from engines.train.miles import MilesJob, prepare_job
+    from engines.train.miles.preflight import MilesRejected, check_command
+
+    log = get_run_logger()
+    site, job, overrides = Site(**miles["site"]), MilesJob(**miles["job"]), miles.get("overrides")
+    prepared = prepare_job(preset, job, site=site, overrides=overrides)  # SiteError / InfeasibleLayout / config
+    eff, inp = resolve(preset, overrides)
+    data_here = Path(job.data_dir).is_dir()  # dataset files are checked where this host sees the cluster's disk
+    if not data_here:
+        log.warning("data_dir %s is not on this host: the preset's dataset files are not checked here", job.data_dir)
+    check = check_command(prepared.command, eff, job, cluster=inp.cluster, profile=get_profile(eff.profile),
+                          miles_dir=miles.get("miles_dir"), megatron_dir=miles.get("megatron_dir"),
+                          check_data=data_here)
+    if not check.ok:
+        raise MilesRejected(check.summary())
+    log.info("%s (Megatron-LM %s; stubbed GPU-only modules: %d)", check.summary(), check.megatron_dir,
+             len(check.stubbed))
+    return {"accepted": True, "miles_dir": check.miles_dir, "argv": prepared.command.argv,
+            "submit": prepared.submit_argv[:5]}
 
 
 def _check_data_file(path: str, hf_checkpoint: str, max_new_tokens: int, needed: int, what: str, needed_by: str):

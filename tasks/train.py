@@ -42,17 +42,17 @@ def train_segment(run_dir: str, config: dict, until: int, fingerprint: str, prog
 
 @task(name="train-on-cluster", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_transient,
       timeout_seconds=7 * 24 * 3600)
-def train_on_cluster(preset: str, run_key: str, hf_checkpoint: str, torch_dist_dir: str, save_dir: str,
-                     miles_dir: str = "/workspace/miles") -> dict:
-    """The cluster path (GPU, `gpu`-marked in tests): Miles on the existing Ray cluster with our torch_dist as
-    --ref-load; a retry resumes through --load from save_dir's latest iteration."""
+def train_on_cluster(preset: str, site: dict, job: dict, overrides: dict | None = None) -> dict:
+    """The cluster path (GPU, `gpu`-marked in tests): the Miles job v4rl builds (engines.train.miles), submitted
+    to the existing Ray cluster at site["ray_address"] with our torch_dist as --ref-load; a retry resumes through
+    --load from job["save_dir"]'s latest iteration. `site` / `job` hold engines.site.Site / MilesJob fields
+    (flows/params.py PipelineParams.site() / miles_job()); a missing site value or an infeasible layout is a
+    ValueError and is not retried."""
+    from engines.site import Site
     from engines.train.miles import MilesJob, run_job
 
     log = get_run_logger()
-    job = MilesJob(run_id=run_key, hf_checkpoint=hf_checkpoint, ref_load=torch_dist_dir, save_dir=save_dir,
-                   miles_dir=miles_dir)
-    outcome = run_job(preset, job, on_line=log.info)
-    if outcome.returncode != 0:
-        raise RuntimeError(f"Miles exited with {outcome.returncode}; last lines:\n" + "\n".join(outcome.tail[-20:]))
+    outcome = run_job(preset, MilesJob(**job), site=Site(**site), overrides=overrides, on_line=log.info)
     last = outcome.last()
-    return {"log": str(outcome.log_path), "seconds": outcome.seconds, "last_step": getattr(last, "step", None)}
+    return {"log": str(outcome.log_path), "seconds": outcome.seconds, "ray_job_id": outcome.ray_job_id,
+            "last_step": getattr(last, "step", None)}
