@@ -21,6 +21,8 @@ from __future__ import annotations
 import doctest
 import json
 import math
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -34,7 +36,8 @@ from rl.loop import Completion, LoopConfig, rollout_step
 from rl.reward_spec import RewardCheckFailed, RewardSpecError, check_reward, check_reward_spec, resolve_reward
 from tests.prefect_server import prefect_server  # noqa: F401
 
-TINY_BASE = Path(__file__).parent / "assets" / "tiny-base"
+REPO = Path(__file__).resolve().parent.parent
+TINY_BASE = REPO / "tests" / "assets" / "tiny-base"
 MODULE = "v4rl_test_user_rewards"
 REWARDS = textwrap.dedent('''
     """Reward functions a user would write (TRL's contract), and ones that break it."""
@@ -335,7 +338,8 @@ def test_training_on_dapo_format_data_with_a_plugged_in_reward(tiny_base, tmp_pa
 # ============================================================================================== the flow
 
 
-def test_the_flow_form_offers_the_reward_and_a_pipeline_run_trains_with_it(prefect_server, tiny_base, tmp_path):  # noqa: F811
+def test_the_flow_form_offers_the_reward_and_a_pipeline_run_trains_with_it(prefect_server, tiny_base, tmp_path,  # noqa: F811
+                                                                           user_module):
     from prefect.utilities.callables import parameter_schema
 
     from flows.params import PipelineParams
@@ -351,8 +355,15 @@ def test_the_flow_form_offers_the_reward_and_a_pipeline_run_trains_with_it(prefe
         "tiny-cpu", run_key="user-reward", runs_root=str(tmp_path / "runs"), hf_checkpoint=str(tiny_base), steps=2,
         eval_interval=2, prompts_per_step=4, n_samples=4, n_eval=4, eval_samples=4, align_prompts=2, use_ray=False,
         train_data=str(train), eval_data=str(held_out), reward=f"{MODULE}:score", eval_reward="math-verify")
-    state = rl_pipeline(params, return_state=True)
-    assert state.is_completed(), state
+    # A process of its own, as a Prefect worker runs a flow: the reward module is found through PYTHONPATH there
+    # (and this process's Prefect event worker never sees a second test server's flows).
+    run = ("import json, sys; from flows.params import PipelineParams; from flows.rl_pipeline import rl_pipeline; "
+           "state = rl_pipeline(PipelineParams.model_validate_json(sys.argv[1]), return_state=True); "
+           "print(state.type.value); sys.exit(0 if state.is_completed() else 1)")
+    env = {**prefect_server["env"], "PYTHONPATH": os.pathsep.join([str(user_module), str(REPO)])}
+    done = subprocess.run([sys.executable, "-c", run, params.model_dump_json()], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     run_dir = tmp_path / "runs" / "user-reward"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["rollout/grader_errors"]) for r in rows] == [(1, 4), (2, 4)]  # the 40+37 group each step
