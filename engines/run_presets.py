@@ -30,8 +30,9 @@ SEED_RUN = RunPreset(
     description="The seed run: DeepSeek-V4-Flash GRPO on 4 x 8 MI355X, 2 rollout + 2 actor nodes, TP1 PP4 EP4.",
     model=dsv4_flash_shape, hf_config=flash_config, profile="mi355x", nodes=4, rollout_nodes=2,
     parallel=ParallelSpec(tp=1, pp=4, ep=4, etp=1, cp=1, last_stage_layers=10),
-    train=TrainSpec(max_tokens_per_gpu=8192, recompute="full", optimizer_offload=1.0, rollout_batch_size=32,
-                    n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=2048, max_response_len=4096),
+    train=TrainSpec(max_tokens_per_gpu=8192, micro_batching="per-sample", recompute="full", optimizer_offload=1.0,
+                    rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=2048,
+                    max_response_len=4096),
     rollout=RolloutSpec(engine_tp=4, engine_ep=4, engine_dp=1, max_running_requests=48, max_total_tokens=524288,
                         context_length=16384, mem_fraction_static=0.5),  # 0.5: Miles' DeepSeek-V4 launcher
     num_rollout=200, eval=EvalSpec(interval=10, n_samples_per_prompt=8),
@@ -39,7 +40,8 @@ SEED_RUN = RunPreset(
 
 # Miles' AMD launcher (scripts/amd/run_deepseek_v4.py `train`, --mode normal) for the two layouts it has a
 # preset for; every value below is the launcher's (its `_get_parallel_config`, rollout/eval/perf args).
-_MILES_LAUNCHER_TRAIN = TrainSpec(max_tokens_per_gpu=2048, recompute="full", optimizer_offload=1.0,
+_MILES_LAUNCHER_TRAIN = TrainSpec(max_tokens_per_gpu=2048, micro_batching="per-sample", recompute="full",
+                                  optimizer_offload=1.0,
                                   rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=1,
                                   max_prompt_len=2048, max_response_len=8192)
 _MILES_LAUNCHER_ROLLOUT = RolloutSpec(engine_tp=4, engine_ep=4, engine_dp=1, max_running_requests=48,
@@ -85,7 +87,8 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "nodes": ("cluster", "nodes"), "rollout_nodes": ("cluster", "rollout_nodes"),
     "gpus_per_node": ("cluster", "gpus_per_node"), "hbm_gb": ("cluster", "hbm_gb"),
     "host_memory_gb": ("cluster", "host_memory_gb"),
-    "max_tokens_per_gpu": ("train", "max_tokens_per_gpu"), "recompute": ("train", "recompute"),
+    "max_tokens_per_gpu": ("train", "max_tokens_per_gpu"), "micro_batching": ("train", "micro_batching"),
+    "recompute": ("train", "recompute"),
     "optimizer_offload": ("train", "optimizer_offload"), "rollout_batch_size": ("train", "rollout_batch_size"),
     "n_samples_per_prompt": ("train", "n_samples_per_prompt"),
     "num_steps_per_rollout": ("train", "num_steps_per_rollout"), "max_response_len": ("train", "max_response_len"),

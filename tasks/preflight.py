@@ -1,4 +1,5 @@
-"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), the data
+"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), every CPU step
+of the preset's pipeline fits this machine's memory for the checkpoint (engines/layout/cpu_fit.py), the data
 loads (with enough usable rows; bad rows are counted and named), and each dataset's reward works: a built-in
 grader on its golden cases, a user's reward function on one sample of its data (rl/reward_spec.py).
 
@@ -23,6 +24,12 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
     from rl.math_task import make_splits
 
     plan = preflight_plan(preset, (miles or {}).get("overrides"))  # InfeasibleLayout naming each rule and fix
+    if hf_checkpoint:  # raises CpuFitError naming the step, its estimate and this machine's memory
+        from engines.backends import pipeline_backend
+        from engines.layout.cpu_fit import check_cpu_fit
+
+        fits = check_cpu_fit(hf_checkpoint, pipeline_backend(preset).cpu_steps)
+        get_run_logger().info("CPU steps fit: %s", ", ".join(f"{s.step} ~{s.bytes / 1e9:.1f} GB" for s in fits))
     train, held_out = make_splits(64, 16, seed)
     out = {"feasible": plan.feasible, "train_rows": len(train), "eval_rows": len(held_out),
            "layout": str(getattr(plan, "layout", ""))}

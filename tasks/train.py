@@ -1,6 +1,10 @@
 """Prefect task: one segment of GRPO training. Retries resume from the run's last checkpoint (the trainer
 reloads weights, optimizer, RNG and data cursor), and the cache key is the run key + segment end, not the
-task run id, so a new flow run after a crash skips finished segments and resumes the interrupted one."""
+task run id, so a new flow run after a crash skips finished segments and resumes the interrupted one.
+
+The config names the engines (flows/rl_pipeline.py `_train_config`): the embedded trainer and rollout engine,
+or (`"engine": "miles"`) one Miles job on the cluster that trains up to the segment's end, resuming through
+--load by Miles' own rules (engines/train/miles/pipeline.py `train_segment`)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ def train_segment(run_dir: str, config: dict, until: int, fingerprint: str, prog
     from rl.loop import LoopConfig
 
     log = get_run_logger()
+    if config.get("engine") == "miles":
+        from engines.train.miles.pipeline import ClusterRun, train_segment as miles_segment
+
+        summary = miles_segment(ClusterRun.from_miles(config["cluster"]), until, on_line=log.info)
+        if progress_id:
+            update_progress_artifact(progress_id, progress=100.0 * until / config["steps"])
+        return {"run_dir": run_dir, "resumed_from": summary["resumed_from"], "last_step": summary["last_step"]}
     cfg = TrainRunConfig(**{**config, "loop": LoopConfig(**config["loop"])})
 
     def on_step(step: int, metrics: dict) -> None:
@@ -38,21 +49,3 @@ def train_segment(run_dir: str, config: dict, until: int, fingerprint: str, prog
 
     summary = run_training(run_dir, cfg, until=until, log=log.info, on_step=on_step)
     return {"run_dir": run_dir, "resumed_from": summary["resumed_from"], "last_step": summary["last_step"]}
-
-
-@task(name="train-on-cluster", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_transient,
-      timeout_seconds=7 * 24 * 3600)
-def train_on_cluster(preset: str, site: dict, job: dict, overrides: dict | None = None) -> dict:
-    """The cluster path (GPU, `gpu`-marked in tests): the Miles job v4rl builds (engines.train.miles), submitted
-    to the existing Ray cluster at site["ray_address"] with our torch_dist as --ref-load; a retry resumes through
-    --load from job["save_dir"]'s latest iteration. `site` / `job` hold engines.site.Site / MilesJob fields
-    (flows/params.py PipelineParams.site() / miles_job()); a missing site value or an infeasible layout is a
-    ValueError and is not retried."""
-    from engines.site import Site
-    from engines.train.miles import MilesJob, run_job
-
-    log = get_run_logger()
-    outcome = run_job(preset, MilesJob(**job), site=Site(**site), overrides=overrides, on_line=log.info)
-    last = outcome.last()
-    return {"log": str(outcome.log_path), "seconds": outcome.seconds, "ray_job_id": outcome.ray_job_id,
-            "last_step": getattr(last, "step", None)}

@@ -61,11 +61,13 @@ def test_missing_tracker_and_missing_data_cursor(tmp_path):
 
 
 def test_fresh_start_and_converted_release_checkpoint(tmp_path):
+    from engines.train.miles import MilesCheckpointError
+
     assert find_resume(tmp_path / "absent").iteration is None
     (tmp_path / TRACKER).write_text("release")
     (tmp_path / "release").mkdir()
-    resume = find_resume(tmp_path)
-    assert (resume.iteration, resume.start_rollout_id, resume.repair_tracker) == (None, 0, False)
+    with pytest.raises(MilesCheckpointError, match="start at rollout 1, skipping rollout 0"):
+        find_resume(tmp_path)  # Megatron would load it as iteration 0 and Miles start at rollout 1
     (tmp_path / TRACKER).write_text("40")  # names a save that never finished: Megatron would crash on --load
     assert prepare_resume(tmp_path).repair_tracker and read_tracker(tmp_path) is None
 
@@ -93,8 +95,8 @@ ROLLOUT = ("(MegatronTrainRayActor pid=2211, ip=10.1.0.3) [2026-06-01 10:00:00] 
            "'rollout/step': 12}")
 PERF = ("[2026-06-01 10:00:00] metrics.py:88 - perf 12: {'rollout/response_len/mean': 3012.5, "
         "'rollout/truncated_ratio': 0.55, 'perf/rollout_time': 812.4, 'perf/tokens_per_gpu_per_sec': 1650.0}")
-EVAL = ("[2026-06-01 10:00:00] metrics.py:140 - eval 10: {'eval/aime': 0.49, 'eval/aime-truncated_ratio': 0.55, "
-        "'eval/aime/pass@8': 0.67, 'eval/step': 10}")
+EVAL = ("[2026-06-01 10:00:00] metrics.py:53 - eval 10: {'eval/aime-none_reward_ratio': 0.0, 'eval/aime': 0.49, "
+        "'eval/aime-truncated_ratio': 0.55, 'eval/aime-pass@8': np.float64(0.67), 'eval/step': 10}")
 
 
 def test_parse_miles_metric_lines():
@@ -107,7 +109,8 @@ def test_parse_miles_metric_lines():
     perf = parse_metric_line(PERF)
     assert perf.metrics["rollout/truncated_ratio"] == 0.55 and perf.metrics["perf/rollout_time"] == 812.4
     ev = parse_metric_line(EVAL)
-    assert ev.metrics == {"eval/aime/reward": 0.49, "eval/aime/truncated_ratio": 0.55, "eval/aime/pass@8": 0.67}
+    assert ev.metrics == {"eval/aime-none_reward_ratio": 0.0, "eval/aime": 0.49, "eval/aime-truncated_ratio": 0.55,
+                          "eval/aime-pass@8": 0.67}  # Miles' own names (A13), np.float64 read (A14)
     for noise in ("[INFO] step 3 done", "perf 3: not a dict", "rollout 1: {'a': __import__('os')}", "",
                   "Training step 3: {'x': 1"):
         assert parse_metric_line(noise) is None

@@ -11,27 +11,33 @@ Megatron-LM miles-main 2e64d788b: `MILES_PIN`). This package
     `idle_timeout_s` or runs past `timeout_s`, and stopping the submitted Ray job too;
   - checks the job against the user's Miles before anything is submitted (preflight.py: Miles' own
     parse_args on CPU) and against Miles' own launcher (launcher_compare.py);
-  - reads its checkpoints (`iter_XXXXXXX/`, `latest_checkpointed_iteration.txt`) to resume through --load and
-    parses its metric lines (checkpoints.py, metrics.py);
+  - derives the pipeline's jobs from it (jobs.py: a training segment, Miles' eval-only run, the alignment
+    gate's train-only debug run);
+  - reads its checkpoints (`iter_XXXXXXX/`, `latest_checkpointed_iteration.txt`, the data cursor) by Miles' own
+    resume rules, repairing a tracker a crash left behind (checkpoints.py), and parses its metric lines
+    (`np.float64(...)` values, Miles' own names: metrics.py) into the run directory tiny-cpu writes
+    (results.py: metrics.jsonl, eval/step_XXXXXX.json);
   - keeps the seed's launcher command for the PR-head Miles that accepts it (pr_launcher.py).
 The Miles run itself needs GPUs (tests marked `gpu`); everything else is plain Python, tested on CPU.
 """
 
-from engines.train.miles.checkpoints import (TRACKER, MilesCheckpoint, Resume, find_resume, list_checkpoints,
-                                             prepare_resume, read_tracker, write_tracker)
+from engines.train.miles.checkpoints import (TRACKER, MilesCheckpoint, MilesCheckpointError, Resume, data_cursor_path,
+                                             find_resume, list_checkpoints, prepare_resume, read_tracker, write_tracker)
 from engines.train.miles.command import (ENTRYPOINT, MILES_PIN, MilesCommand, MilesJob, build_command,
                                          default_run_id, parse_flags, with_paths)
-from engines.train.miles.metrics import MetricRecord, parse_metric_line, to_v4rl_metrics
+from engines.train.miles.metrics import MetricRecord, eval_datasets, parse_metric_line, to_v4rl_metrics
 from engines.train.miles.model_args import ModelConfigError, model_args, read_config
 from engines.train.miles.pr_launcher import PR_HEAD, launcher_argv
+from engines.train.miles.results import MilesRecorder, MilesResultsError, eval_result, record_lines, record_log
 from engines.train.miles.runner import (MilesOutcome, MilesRunError, MilesTimeout, PreparedJob, prepare_job, run_job,
                                         run_miles, stop_ray_job)
 from engines.train.miles.submit import runtime_env_json, submit_argv
 from engines.train.miles.train_args import megatron_parallel_args
 
-__all__ = ["ENTRYPOINT", "MILES_PIN", "PR_HEAD", "TRACKER", "MetricRecord", "MilesCheckpoint", "MilesCommand",
-           "MilesJob", "MilesOutcome", "MilesRunError", "MilesTimeout", "ModelConfigError", "PreparedJob", "Resume",
-           "build_command", "default_run_id", "find_resume", "launcher_argv", "list_checkpoints",
+__all__ = ["ENTRYPOINT", "MILES_PIN", "PR_HEAD", "TRACKER", "MetricRecord", "MilesCheckpoint", "MilesCheckpointError",
+           "MilesCommand", "MilesJob", "MilesOutcome", "MilesRecorder", "MilesResultsError", "MilesRunError",
+           "MilesTimeout", "ModelConfigError", "PreparedJob", "Resume", "build_command", "data_cursor_path",
+           "default_run_id", "eval_datasets", "eval_result", "find_resume", "launcher_argv", "list_checkpoints",
            "megatron_parallel_args", "model_args", "parse_flags", "parse_metric_line", "prepare_job",
-           "prepare_resume", "read_config", "read_tracker", "run_job", "run_miles", "runtime_env_json",
-           "stop_ray_job", "submit_argv", "to_v4rl_metrics", "with_paths", "write_tracker"]
+           "prepare_resume", "read_config", "read_tracker", "record_lines", "record_log", "run_job", "run_miles",
+           "runtime_env_json", "stop_ray_job", "submit_argv", "to_v4rl_metrics", "with_paths", "write_tracker"]

@@ -42,6 +42,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("argv", "--use-rollout-routing-replay"): "MilesSettings.rollout_routing_replay=False, as the seed ran",
     ("argv", "--use-fault-tolerance"): "MilesSettings.fault_tolerance=False: v4rl's task retries resume instead",
     ("argv", "--use-tis"): "AlgorithmSpec.use_tis=True: the seed's TIS (the launcher only with --enable-mis)",
+    ("argv", "--log-passrate"): "EvalSpec: pass@k per eval dataset, which the run directory, report and nightly "
+                                "verdict read (the launcher logs the mean eval reward only)",
     # v4rl passes what its planner checked; the launcher leaves SGLang's defaults
     ("argv", "--sglang-max-running-requests"): "RolloutSpec.max_running_requests: the planner sized memory with it",
     ("argv", "--sglang-max-total-tokens"): "RolloutSpec.max_total_tokens: the planner sized the KV pool with it",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import signal
 import subprocess
 import threading
@@ -18,13 +17,11 @@ from typing import TYPE_CHECKING, Any
 from engines.site import Site
 from engines.train.miles.checkpoints import prepare_resume
 from engines.train.miles.command import MilesCommand, MilesJob, build_command
-from engines.train.miles.metrics import MetricRecord, parse_metric_line
+from engines.train.miles.metrics import RAY_JOB_SUBMITTED, MetricRecord, parse_metric_line
 from engines.train.miles.submit import submit_argv, submit_env
 
 if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
-
-_RAY_JOB = re.compile(r"Job '(?P<id>[A-Za-z0-9_\-]+)' submitted successfully")
 
 
 @dataclass
@@ -123,7 +120,7 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
                 outcome.tail = (outcome.tail + [line])[-200:]
                 if on_line:
                     on_line(line)
-                job = _RAY_JOB.search(line)
+                job = RAY_JOB_SUBMITTED.search(line)
                 if job:
                     outcome.ray_job_id = job.group("id")
                 record = parse_metric_line(line)

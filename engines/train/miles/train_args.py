@@ -102,6 +102,10 @@ def perf_args(preset: "RunPreset") -> list[str]:
     micro-batches are one sample each; --max-tokens-per-gpu still bounds log-prob passes (conformance A5).
     """
     t = preset.train
+    if t.micro_batching != "per-sample":
+        raise ValueError(f"preset {preset.name}: train.micro_batching={t.micro_batching!r}, but Miles trains DeepSeek-V4 "
+                         "with --qkv-format bshd, which forbids dynamic (packed) batches; set micro_batching="
+                         "'per-sample' (one sample per micro-batch, --micro-batch-size 1)")
     args = megatron_parallel_args(preset)
     if t.recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -118,18 +122,22 @@ def eval_args(preset: "RunPreset", job: "MilesJob") -> list[str]:
     args = ["--eval-interval", str(e.interval), "--eval-top-p", num(e.top_p), "--eval-prompt-data"]
     for name, path in e.datasets:
         args += [name, data_path(job, path)]
+    # --log-passrate: without it Miles logs no eval/<dataset>-pass@k (only the mean reward)
     return args + ["--n-samples-per-eval-prompt", str(e.n_samples_per_prompt),
-                   "--eval-max-response-len", str(e.max_response_len)]
+                   "--eval-max-response-len", str(e.max_response_len), "--log-passrate"]
 
 
 def sglang_args(preset: "RunPreset") -> list[str]:
     """Rollout engines: GPUs and parallelism per engine, router health checks, and the SGLang limits the planner
     sized memory with (Miles' launcher leaves those at SGLang's defaults; v4rl passes what it checked)."""
     r = preset.rollout
+    # One SGLang server per engine (--sglang-dp-size 1: SGLang's weight-sync routes assert dp_size == 1);
+    # RolloutSpec.engine_dp is DP attention inside it, SGLang 0.5.23's --attn-dp-size (conformance B18)
     args = ["--rollout-num-gpus-per-engine", str(r.engine_tp), "--sglang-tp-size", str(r.engine_tp),
-            "--sglang-dp-size", str(r.engine_dp), "--sglang-ep-size", str(r.engine_ep),
-            "--router-health-success-threshold", "1", "--router-health-check-interval-secs", "15",
-            "--router-health-failure-threshold", "40"]
+            "--sglang-dp-size", "1", "--sglang-ep-size", str(r.engine_ep)]
+    args += ["--sglang-attn-dp-size", str(r.engine_dp)] if r.engine_dp > 1 else []
+    args += ["--router-health-success-threshold", "1", "--router-health-check-interval-secs", "15",
+             "--router-health-failure-threshold", "40"]
     return args + ["--sglang-max-running-requests", str(r.max_running_requests),
                    "--sglang-max-total-tokens", str(r.max_total_tokens),
                    "--sglang-context-length", str(r.context_length)]
