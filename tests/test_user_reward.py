@@ -96,6 +96,13 @@ REWARDS = textwrap.dedent('''
         return [1.0 for _ in completions]
 
 
+    def accuracy(prompts, completions, label, **kwargs):
+        """TRL's own accuracy_reward (conversational completions, a solution column) through the README's wrapper."""
+        from trl.rewards import accuracy_reward
+
+        return accuracy_reward([[{"role": "assistant", "content": c}] for c in completions], solution=label)
+
+
     class Scorer:
         pass
 ''')
@@ -268,6 +275,14 @@ def test_what_a_plugged_in_reward_returns_is_one_finite_number_or_a_counted_fail
         result = grader.grade(["\\boxed{2}"], ["2"], where="test", prompts=["Compute 1+1."])
     assert result.rewards == [reward] and result.errors == (error is not None)
     assert (result.first_error or "").startswith(error or "") and (result.first_error is None) == (error is None)
+
+
+def test_trl_accuracy_reward_plugs_in_through_a_wrapper_in_a_process_pool():
+    pytest.importorskip("trl", reason="TRL comes with the bench extra (part of the test install)")
+    with resolve_reward(f"{MODULE}:accuracy").grader(workers=2, pool="process") as grader:
+        result = grader.grade(["so \\boxed{\\frac{1}{2}}", "so \\boxed{3}", "so \\boxed{0.5}"], ["0.5", "0.5", "1/2"],
+                              where="test", prompts=["Half of one?"] * 3)
+    assert (result.rewards, result.errors) == ([1.0, 0.0, 1.0], 0)
 
 
 def test_a_grader_that_takes_prompts_refuses_a_call_without_them():
