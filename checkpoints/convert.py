@@ -523,12 +523,8 @@ def _write_hf_side_files(out: Path, raw: dict[str, Any], cfg: ModelConfig, fmt: 
                          scale_fmt: str, weight_map: dict[str, str], total: int, like: str | Path | None) -> None:
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")}
-    storage = hf.hf_config_dict(cfg, weight_format="bf16" if fmt == "hf-bf16" else "fp8",  # type: ignore[arg-type]
-                                expert_dtype=expert_dtype, scale_fmt=scale_fmt)  # type: ignore[arg-type]
-    config.update({k: storage[k] for k in ("dtype", "quantization_config", "expert_dtype") if k in storage})
-    if "torch_dtype" in config:
-        config["torch_dtype"] = storage["dtype"]
+    config = hf.hf_config_dict(cfg, weight_format="bf16" if fmt == "hf-bf16" else "fp8",  # type: ignore[arg-type]
+                               expert_dtype=expert_dtype, scale_fmt=scale_fmt, base=raw)  # type: ignore[arg-type]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     like_dir = Path(like) if like is not None else None
     gen = like_dir / "generation_config.json" if like_dir else None
