@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtualenv in .venv/: torch first (the CPU wheel here; set
 # V4RL_TORCH_SPEC to bring your own GPU build, e.g. 'torch>=2.9'), then v4rl itself with its test extras.
-# Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
+# Re-running is cheap: the install is skipped while pyproject.toml is unchanged. Last, the pinned SGLang's
+# source for the conformance suite goes into a cache outside the repo (once; offline reruns reuse it).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.v4rl-installed
 want=$(sha256sum pyproject.toml setup.sh | sha256sum | cut -c1-16)
+engine_sources() {
+  .venv/bin/python -c "from engines.engine_sources import sglang_paths; sglang_paths()" ||
+    echo "setup.sh: SGLang's source could not be cached; the conformance suite will skip its SGLang checks" >&2
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  engine_sources
   exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip
@@ -17,3 +23,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 echo "$want" > "$stamp"
+engine_sources

@@ -1,0 +1,278 @@
+"""The real engines' pinned versions, and their sources on a CPU machine (for conformance checks and preflight).
+
+v4rl drives SGLang, Miles and Megatron-LM on clusters; what it hands them is checked by running their OWN code
+on CPU in a subprocess (never imported by v4rl's library code, never copied into the repo):
+
+  - SGLang: the version pinned by pyproject.toml's `cluster` extra (one edit bumps the launcher, the
+    conformance suite and this cache together). Its wheel comes from the package registry and is unpacked,
+    with the pure-Python packages its modules import that v4rl's environment lacks, into a cache outside the
+    repo (`$V4RL_ENGINE_CACHE`, default `~/.cache/v4rl/engines`); installed once, reused offline.
+    `$V4RL_SGLANG_DIR` points at another SGLang source tree (a directory holding `sglang/`) instead.
+  - Miles and Megatron-LM: a user's checkout (`explicit` argument, `$V4RL_MILES_DIR` / `$V4RL_MEGATRON_DIR`),
+    else the pinned tarball of `../shared/vendor/` (`$V4RL_VENDOR_DIR`) extracted into the same cache.
+
+`engine_python` runs code in a subprocess with those trees on `sys.path` and the GPU-only imports stubbed
+(engines/engine_stubs.py). Everything that is missing raises `EngineSourceMissing` saying what to set.
+
+    from engines.engine_sources import engine_python, miles_tree, sglang_paths
+    done = engine_python("import sglang.srt.server_args as s; print(s.ServerArgs.__name__)", sglang_paths())
+    print(done.stdout)        # ServerArgs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_PYPROJECT = REPO / "pyproject.toml"
+
+
+class EngineSourceMissing(RuntimeError):
+    """An engine's source is not available here; the message says which variable or step provides it."""
+
+
+@dataclass(frozen=True)
+class SourcePin:
+    """One pinned engine tree: a git commit of a repository, as a vendor tarball with one top directory."""
+
+    name: str
+    repo: str
+    commit: str
+    tarball: str
+    """File name in the vendor directory."""
+    env: str
+    """Variable naming a user's own checkout of this engine instead."""
+
+    @property
+    def short(self) -> str:
+        return self.commit[:9]
+
+
+MILES = SourcePin("miles", "github.com/radixark/miles (main)", "31f1ca961a94cb860cec3b2dea34ec332bfa8f76",
+                  "miles-31f1ca961.tar.gz", "V4RL_MILES_DIR")
+"""The one Miles v4rl supports on clusters."""
+MILES_SEED_PR = SourcePin("miles", "github.com/radixark/miles (PR #1300 head, never merged)",
+                          "a8684732f37ed5cfc63c312f81b4d187b788df13", "miles-a8684732f.tar.gz", "V4RL_MILES_DIR")
+"""The only Miles whose `scripts/amd/run_deepseek_v4.py train` takes the seed's exact command line."""
+MEGATRON = SourcePin("megatron-lm", "github.com/radixark/Megatron-LM (miles-main)",
+                     "2e64d788b67fe8155774200c87606e1e449c494b", "megatron-lm-2e64d788b.tar.gz", "V4RL_MEGATRON_DIR")
+"""The Megatron-LM fork Miles' Dockerfiles clone, at the commit paired with MILES."""
+
+# Packages SGLang's server, request structs, configs, DeepSeek-V4 model module, clients and test helpers import
+# at module level that v4rl's own environment does not have (found by importing them on CPU), plus what Miles'
+# argument parser imports (sglang-router, polars). Installed without their dependencies; versions are SGLang's
+# own pins where its wheel has one, else these.
+SGLANG_CPU_DEPS: dict[str, str] = {
+    "pybase64": "1.5.1", "msgspec": "0.23.0", "pyzmq": "27.3.0", "ipython": "9.18.1", "traitlets": "5.16.1",
+    "uvloop": "0.23.0", "apache-tvm-ffi": "", "sentencepiece": "", "compressed-tensors": "", "loguru": "0.7.3",
+    "gguf": "0.19.0", "openai": "", "einops": "0.8.2", "partial-json-parser": "0.2.1.1.post7",
+    "setproctitle": "1.3.8", "xgrammar": "", "soundfile": "", "python-multipart": "0.0.34",
+    "sglang-router": "0.3.2", "polars": "2.1.0",
+}
+
+
+# ------------------------------------------------------------------------------------------------ pins
+def sglang_version() -> str:
+    """The SGLang version of pyproject.toml's `cluster` extra (`sglang==X`): the one place it is pinned."""
+    text = _PYPROJECT.read_text() if _PYPROJECT.is_file() else ""
+    if not text:
+        from importlib.metadata import PackageNotFoundError, requires
+
+        try:
+            text = "\n".join(requires("v4rl") or ())
+        except PackageNotFoundError:
+            text = ""
+    found = re.search(r"""["']?sglang==([0-9][^"';\s,\]]*)""", text)
+    if not found:
+        raise EngineSourceMissing("no `sglang==X` pin in pyproject.toml's `cluster` extra (or the installed v4rl's "
+                                  "metadata); add one, e.g. cluster = [\"sglang==0.5.23\"]")
+    return found.group(1)
+
+
+def cache_root() -> Path:
+    """Where extracted and installed engine sources live ($V4RL_ENGINE_CACHE, default ~/.cache/v4rl/engines)."""
+    return Path(os.environ.get("V4RL_ENGINE_CACHE") or Path.home() / ".cache" / "v4rl" / "engines").expanduser()
+
+
+def vendor_dir() -> Path | None:
+    """The pinned tarballs: $V4RL_VENDOR_DIR, else ../shared/vendor beside the repository; None if neither."""
+    given = os.environ.get("V4RL_VENDOR_DIR")
+    path = Path(given).expanduser() if given else REPO.parent / "shared" / "vendor"
+    return path if path.is_dir() else None
+
+
+# ----------------------------------------------------------------------------------------- Miles/Megatron
+def miles_tree(explicit: str | Path | None = None, pin: SourcePin = MILES) -> Path:
+    """A Miles checkout: `explicit`, else $V4RL_MILES_DIR, else the pin's vendor tarball (extracted once)."""
+    return _source_tree(pin, explicit, marker="miles/utils/arguments.py")
+
+
+def megatron_tree(explicit: str | Path | None = None, pin: SourcePin = MEGATRON) -> Path:
+    """A Megatron-LM checkout: `explicit`, else $V4RL_MEGATRON_DIR, else the pin's vendor tarball."""
+    return _source_tree(pin, explicit, marker="megatron/training/arguments.py")
+
+
+def _source_tree(pin: SourcePin, explicit: str | Path | None, *, marker: str) -> Path:
+    given = explicit or os.environ.get(pin.env)
+    if given:
+        path = Path(given).expanduser().resolve()
+        if not (path / marker).is_file():
+            where = "the given directory" if explicit else f"${pin.env}"
+            raise EngineSourceMissing(f"{where} {path} is not a {pin.name} checkout (no {marker}); point it at the "
+                                      f"repository root of {pin.repo}")
+        return path
+    vendor = vendor_dir()
+    tarball = vendor / pin.tarball if vendor else None
+    if tarball is None or not tarball.is_file():
+        raise EngineSourceMissing(f"no {pin.name} source: set ${pin.env} to a checkout of {pin.repo} at {pin.short} "
+                                  f"(or $V4RL_VENDOR_DIR to a directory holding {pin.tarball})")
+    dest = cache_root() / f"{pin.name}-{pin.short}"
+    if not (dest / marker).is_file():
+        with _locked(dest):
+            if not (dest / marker).is_file():
+                _extract(tarball, dest)
+    return dest
+
+
+def _extract(tarball: Path, dest: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        with tarfile.open(tarball) as tar:
+            tar.extractall(tmp, filter="data")
+        tops = [p for p in tmp.iterdir()]
+        if len(tops) != 1 or not tops[0].is_dir():
+            raise EngineSourceMissing(f"{tarball}: expected one top-level directory, found {[p.name for p in tops]}")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tops[0], dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------- SGLang
+def sglang_paths(install: bool = True) -> list[Path]:
+    """sys.path entries that make the pinned SGLang importable on CPU (with engine_stubs active).
+
+    $V4RL_SGLANG_DIR (a directory holding `sglang/`) wins; its dependencies must then be importable already.
+    Otherwise the cache for this SGLang version and Python; `install` fetches it from the registry once.
+    """
+    given = os.environ.get("V4RL_SGLANG_DIR")
+    if given:
+        path = Path(given).expanduser().resolve()
+        if not (path / "sglang" / "srt" / "server_args.py").is_file():
+            raise EngineSourceMissing(f"$V4RL_SGLANG_DIR {path} holds no sglang/srt/server_args.py; point it at the "
+                                      "directory that contains the `sglang` package (SGLang's python/ folder)")
+        return [path]
+    version = sglang_version()
+    home = cache_root() / f"sglang-{version}-py{sys.version_info.major}{sys.version_info.minor}"
+    if not (home / "ready.json").is_file():
+        if not install:
+            raise EngineSourceMissing(f"SGLang {version} is not in {home}; run once with network access "
+                                      "(engines.engine_sources.sglang_paths()) or set $V4RL_SGLANG_DIR")
+        with _locked(home):
+            if not (home / "ready.json").is_file():
+                _install_sglang(version, home)
+    return [home / "src", home / "deps"]
+
+
+def _install_sglang(version: str, home: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}.", dir=home.parent))
+    try:
+        _pip("download", "--no-deps", "--only-binary=:all:", "-d", str(tmp / "wheel"), f"sglang=={version}")
+        wheel = next((tmp / "wheel").glob("sglang-*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(tmp / "src")
+            meta = zf.read(f"sglang-{version}.dist-info/METADATA").decode()
+        pins = _wheel_pins(meta)
+        specs = [f"{name}=={pins.get(_norm(name)) or ours}" if (pins.get(_norm(name)) or ours) else name
+                 for name, ours in SGLANG_CPU_DEPS.items()]
+        _pip("install", "--no-deps", "--target", str(tmp / "deps"), *specs)
+        (tmp / "ready.json").write_text(json.dumps({"sglang": version, "deps": specs}, indent=1) + "\n")
+        shutil.rmtree(tmp / "wheel")
+        shutil.rmtree(home, ignore_errors=True)
+        os.replace(tmp, home)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wheel_pins(metadata: str) -> dict[str, str]:
+    """`name==version` pins of a wheel's unconditional Requires-Dist lines, by normalised name."""
+    pins = {}
+    for line in metadata.splitlines():
+        m = re.match(r"Requires-Dist: ([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?\s*==\s*([^\s;,]+)\s*$", line)
+        if m:
+            pins[_norm(m.group(1))] = m.group(2)
+    return pins
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _pip(*args: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as exc:
+        raise EngineSourceMissing(f"`{' '.join(cmd[2:])}` took over 900 s; check the package registry") from exc
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
+        raise EngineSourceMissing(f"`pip {' '.join(args)}` failed (offline? registry unreachable?):\n{tail}\n"
+                                  "run once with access to the package registry, or set $V4RL_SGLANG_DIR")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside `path`: concurrent test workers and preflights install or extract only once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------------------ running code
+_BOOTSTRAP = """\
+import importlib.util, json, os, sys
+sys.path[:0] = json.loads(os.environ["V4RL_ENGINE_PATHS"])
+spec = importlib.util.spec_from_file_location("engine_stubs", os.environ["V4RL_ENGINE_STUBS"])
+stubs = importlib.util.module_from_spec(spec); sys.modules["engine_stubs"] = stubs; spec.loader.exec_module(stubs)
+roots = json.loads(os.environ["V4RL_STUB_ROOTS"])
+stubs.activate(roots if roots is not None else stubs.GPU_ONLY_ROOTS)
+"""
+
+
+def engine_python(code: str, paths: Sequence[str | Path], *, args: Sequence[str] = (),
+                  stub_roots: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+                  cwd: str | Path | None = None, timeout: float = 600.0, check: bool = True
+                  ) -> subprocess.CompletedProcess:
+    """Run `code` (as `python -c`, `args` in sys.argv[1:]) with `paths` first on sys.path and GPU-only imports
+    stubbed (`stub_roots`, default engine_stubs.GPU_ONLY_ROOTS; `sys.modules["engine_stubs"]` lists what was
+    stubbed). The child gets this interpreter and `env` on top of ours. `check` raises RuntimeError with the
+    output's tail when it exits non-zero; a run past `timeout` raises TimeoutError naming it."""
+    child_env = {**os.environ, **(env or {}), "V4RL_ENGINE_PATHS": json.dumps([str(p) for p in paths]),
+                 "V4RL_ENGINE_STUBS": str(Path(__file__).with_name("engine_stubs.py")),
+                 "V4RL_STUB_ROOTS": json.dumps(list(stub_roots) if stub_roots is not None else None)}
+    cmd = [sys.executable, "-c", _BOOTSTRAP + code, *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise TimeoutError(f"engine code did not finish within {timeout:.0f}s (paths {list(map(str, paths))})") from exc
+    if check and done.returncode != 0:
+        tail = "\n".join((done.stderr or "").strip().splitlines()[-25:])
+        raise RuntimeError(f"engine code exited with {done.returncode}:\n{tail}")
+    return done
