@@ -229,7 +229,8 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
             sync_files(Path(j.out) for j in jobs)
         specs = megatron_specs(plan.cfg)
         write_dcp_metadata(rel, [r for rs in results for r in rs], specs)
-        write_common(rel, plan.cfg, hf_config=plan.raw_config, extra={"source": str(src.resolve()), "key": key})
+        write_common(rel, plan.cfg, hf_config=hf.with_release_model_keys(plan.raw_config, plan.cfg),
+                     extra={"source": str(src.resolve()), "key": key})
         write_checkpointing_config(rel)
         mark_release(out.tmp)
         if verify != "none":

@@ -139,8 +139,7 @@ def hf_config_dict(cfg: ModelConfig, *, weight_format: WeightFormat, expert_dtyp
     """config.json body: the model config in DeepSeek's release form plus the storage fields transformers and
     SGLang read. `base` (a source checkpoint's config.json, e.g. for an export) contributes the keys v4rl does
     not model; the model keys of either form and the storage fields are v4rl's."""
-    d = {k: v for k, v in (base or {}).items() if k not in _MODEL_AND_STORAGE_KEYS}
-    d.update(cfg.to_hf_dict())
+    d = with_release_model_keys({k: v for k, v in (base or {}).items() if k not in _STORAGE_KEYS}, cfg)
     d["dtype"] = "float32" if weight_format == "fp32" else "bfloat16"
     if weight_format == "fp8":
         qc: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -152,11 +151,19 @@ def hf_config_dict(cfg: ModelConfig, *, weight_format: WeightFormat, expert_dtyp
     return dict(sorted(d.items()))
 
 
-_MODEL_AND_STORAGE_KEYS = frozenset(
-    set(TRANSFORMERS_ONLY) | set(ALIASES) | set(ALIASES.values())
-    | {"compress_ratios", "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim", "rope_scaling",
-       "quantization_config", "expert_dtype", "dtype", "torch_dtype"})
-"""Keys of a source config.json that hf_config_dict rewrites from the ModelConfig (whichever form they came in)."""
+def with_release_model_keys(raw: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """`raw` (a config.json of either form) with its model keys rewritten in the release form from cfg; keys v4rl
+    does not model and the storage fields stay as they are."""
+    d = {k: v for k, v in raw.items() if k not in _MODEL_KEYS}
+    d.update(cfg.to_hf_dict())
+    return dict(sorted(d.items()))
+
+
+_STORAGE_KEYS = frozenset({"quantization_config", "expert_dtype", "dtype", "torch_dtype"})
+_MODEL_KEYS = frozenset(set(TRANSFORMERS_ONLY) | set(ALIASES) | set(ALIASES.values()) | {
+    "compress_ratios", "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim", "rope_scaling"})
+"""Keys of a config.json whose meaning v4rl models under another spelling in one of the two forms: rewritten
+from the ModelConfig, never copied (the release keys v4rl writes are overwritten anyway)."""
 
 
 def save_hf_checkpoint(

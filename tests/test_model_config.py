@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from transformers import DeepseekV4Config
 
-from checkpoints.hf import hf_config_dict
+from checkpoints.hf import hf_config_dict, with_release_model_keys
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
 from engines.model.config_format import TRANSFORMERS_ONLY
 from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
@@ -134,3 +134,5 @@ def test_a_source_config_keeps_what_v4rl_does_not_model_and_loses_its_old_form()
     out = hf_config_dict(cfg, weight_format="fp8", expert_dtype="fp8", scale_fmt="ue8m0", base=legacy)
     assert out == {**hf_config_dict(cfg, weight_format="fp8", expert_dtype="fp8", scale_fmt="ue8m0"),
                    "use_cache": True, "transformers_version": "4.57.1"}
+    stored = with_release_model_keys(legacy, cfg)  # what `v4rl convert` keeps in common.pt: storage fields too
+    assert stored == {**cfg.to_hf_dict(), "torch_dtype": "float32", "use_cache": True, "transformers_version": "4.57.1"}
