@@ -1,14 +1,23 @@
 """Named presets. `tiny-cpu` is the embedded default: a few-million-parameter DeepSeek-V4 with every
-architectural feature, sized so that the synthetic math task's ~35-token sequences exercise all of it.
+architectural feature, in a shape real SGLang 0.5.23 serves and transformers 5.23 loads, sized so that the
+synthetic math task's ~140-token sequences exercise all of it.
 
 Why these numbers:
-  - layers: sliding, CSA, HCA, CSA; hash-routed MoE in the first two, learned top-k after (both kinds used).
-  - sliding_window 24 < sequence length (~36): every query past position 24 relies on the compressed
-    branches for the start of the prompt. (With window 16 the operands fell outside the window of the
-    answer tokens; measured: pass@1 still 0.05 after 280 steps, too slow to bootstrap in minutes.)
-  - CSA rate 4 gives ~8 entries per sequence, more than index_topk 4, so the indexer really selects;
-    HCA rate 8 gives ~4 entries. 8 indexer heads keep exact score ties (ReLU zeroing every
-    head) rare.
+  - layers: sliding, CSA, HCA, CSA (`compress_ratios` 0, 4, 128, 4); hash-routed MoE in the first two, learned
+    top-k after (both kinds used).
+  - CSA rate 4 and HCA rate 128, DeepSeek-V4's own: SGLang's DeepSeek-V4 builds only ratios 0/1/2/4/128 (1 and
+    2 are V4.1 compressors) and transformers maps only 0/4/128 to a layer type. (Until then HCA ran at rate 8
+    on ~36-token prompts; a config.json saying 8 does not load in SGLang.) The math task's instruction makes
+    every prompt 128-130 tokens with BOS, so the HCA layer's first entry (positions 0-127) exists for the last
+    prompt positions and every answer token. CSA gives ~33 entries per sequence, far more than index_topk 4,
+    so the indexer really selects; 8 indexer heads keep exact score ties (ReLU zeroing every head) rare.
+  - sliding_window 24: the problem (`Compute 47+38. Answer in \\boxed{}.`) ends every prompt, so the operands
+    sit 15-20 tokens before the answer, inside the window as before; everything earlier reaches the answer
+    only through the compressed branches. (With window 16 the operands fell outside the window of the answer
+    tokens; measured: pass@1 still 0.05 after 280 steps, too slow to bootstrap in minutes.)
+  - compress RoPE YaRN x4 over 1024 original positions (max 4096), like Flash's x16 over 65536: SGLang needs
+    `original_max_position_embeddings` for compressed layers (KeyError without), and a factor other than 1
+    proves every reader applies the same YaRN.
   - every FP8-quantized matrix dimension is 128 or a multiple of it (transformers derives the FP8 block
     from the scale grid), every FP4 input dimension a multiple of 32.
 """
@@ -29,9 +38,11 @@ def tiny_cpu_model_config() -> ModelConfig:
         q_lora_rank=128,
         partial_rotary_factor=0.25,
         max_position_embeddings=4096,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                      "beta_slow": 1.0},
         layer_types=[SLIDING, CSA, HCA, CSA],
         mlp_layer_types=[HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE],
-        compress_rates={CSA: 4, HCA: 8},
+        compress_rates={CSA: 4, HCA: 128},
         sliding_window=24,
         o_groups=2,
         o_lora_rank=64,
