@@ -177,14 +177,21 @@ def sglang_paths(install: bool = True) -> list[Path]:
         return [path]
     version = sglang_version()
     home = cache_root() / f"sglang-{version}-py{sys.version_info.major}{sys.version_info.minor}"
-    if not (home / "ready.json").is_file():
-        if not install:
-            raise EngineSourceMissing(f"SGLang {version} is not in {home}; run once with network access "
-                                      "(engines.engine_sources.sglang_paths()) or set $V4RL_SGLANG_DIR")
-        with _locked(home):
-            if not (home / "ready.json").is_file():
-                _install_sglang(version, home)
+    _build_once(home, lambda: _install_sglang(version, home), install=install,
+                missing=f"SGLang {version} is not in {home}; run once with network access "
+                        "(engines.engine_sources.sglang_paths()) or set $V4RL_SGLANG_DIR")
     return [home / "src", home / "deps"]
+
+
+def _build_once(home: Path, build, *, install: bool, missing: str) -> None:
+    """Run `build` (which leaves home/ready.json) unless it already ran; once across processes (a lock)."""
+    if (home / "ready.json").is_file():
+        return
+    if not install:
+        raise EngineSourceMissing(missing)
+    with _locked(home):
+        if not (home / "ready.json").is_file():
+            build()
 
 
 def _install_sglang(version: str, home: Path) -> None:
@@ -205,6 +212,33 @@ def _install_sglang(version: str, home: Path) -> None:
         os.replace(tmp, home)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------------- Miles' launchers
+LAUNCHER_CLI: tuple[str, ...] = ("typer==0.25.1", "click==8.2.1")
+"""The CLI libraries Miles' docker/Dockerfile.rocm pins; its typer launchers are recorded with exactly these
+(v4rl's own environment may hold newer ones, so they live in a cache, never in the venv)."""
+
+
+def launcher_cli_paths(install: bool = True) -> list[Path]:
+    """sys.path entries (first) holding LAUNCHER_CLI, cached for this Python; installed from the registry once."""
+    home = cache_root() / ("launcher-cli-" + "-".join(s.replace("==", "") for s in LAUNCHER_CLI)
+                           + f"-py{sys.version_info.major}{sys.version_info.minor}")
+
+    def build() -> None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}.", dir=home.parent))
+        try:
+            _pip("install", "--no-deps", "--target", str(tmp), *LAUNCHER_CLI)
+            (tmp / "ready.json").write_text(json.dumps(list(LAUNCHER_CLI)) + "\n")
+            shutil.rmtree(home, ignore_errors=True)
+            os.replace(tmp, home)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    _build_once(home, build, install=install,
+                missing=f"{' '.join(LAUNCHER_CLI)} are not in {home}; run once with access to the package registry "
+                        "(engines.engine_sources.launcher_cli_paths())")
+    return [home]
 
 
 def _wheel_pins(metadata: str) -> dict[str, str]:

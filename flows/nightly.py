@@ -1,6 +1,8 @@
 """nightly-validation: a short rl-pipeline run (convert, verify, align, a few GRPO steps, eval), judged against
-the history of earlier nights kept in the artifact store (rl/verdict.py). Ends Failed with the reasons on a
-regression, Completed otherwise; the verdict is a markdown artifact and `nightly.json` in the run.
+the history of earlier nights of the same preset kept in the artifact store (rl/verdict.py). Ends Failed with
+the reasons on a regression, Completed otherwise; the verdict is a markdown artifact and `nightly.json` in the
+run. tiny-cpu by default; a GPU preset validates the cluster path (Miles' metrics and evaluations, read back
+into the same run directory, are judged the same way).
 
     prefect deployment run 'nightly-validation/nightly'
 """
@@ -29,6 +31,7 @@ class NightlyParams(BaseModel):
 
     model_config = ConfigDict(hide_input_in_errors=True)
 
+    preset: str = Field("tiny-cpu", description="Run preset of the validation run; history is compared per preset.")
     steps: int = Field(4, ge=1, description="GRPO steps of the validation run.")
     eval_interval: int = Field(4, ge=1)
     prompts_per_step: int = Field(32, ge=1)
@@ -39,6 +42,14 @@ class NightlyParams(BaseModel):
     s3_secret_block: str | None = None
     min_history: int = Field(3, ge=1, description="Earlier nights needed before pass@1 is judged.")
     date: str | None = Field(None, description="Night to record (YYYY-MM-DD); default: today (UTC).")
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, v: str) -> str:
+        from engines.run_presets import get_run_preset
+
+        get_run_preset(v)  # ValueError listing the known presets
+        return v
 
     @field_validator("date")
     @classmethod
@@ -68,7 +79,7 @@ def load_history(store_url: str, endpoint_url: str | None, secret_block: str | N
 @flow(name="nightly-validation", log_prints=True)
 def nightly_validation(params: NightlyParams = NightlyParams()):
     from engines.train.runlog import RunLog
-    from rl.verdict import nightly_verdict
+    from rl.verdict import nightly_verdict, same_preset
     from tasks.upload import upload_artifacts
 
     night = params.date or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
@@ -77,7 +88,7 @@ def nightly_validation(params: NightlyParams = NightlyParams()):
                                       runs_root=params.runs_root, store_url=params.store_url,
                                       s3_endpoint_url=params.s3_endpoint_url,
                                       s3_secret_block=params.s3_secret_block).items() if v is not None}
-    pipeline = PipelineParams.preset_defaults("tiny-cpu", run_key=f"nightly-{night}", **overrides)
+    pipeline = PipelineParams.preset_defaults(params.preset, run_key=f"nightly-{night}", **overrides)
     result = rl_pipeline(pipeline)
     run_dir = Path(result["run_dir"])
     log = RunLog(run_dir)
@@ -85,12 +96,13 @@ def nightly_validation(params: NightlyParams = NightlyParams()):
     last = evals[-1] if evals else {}
     diff = [(r["step"], r["train/train_rollout_logprob_abs_diff"]) for r in rows
             if r.get("train/train_rollout_logprob_abs_diff") is not None]
-    tonight = {"night": night, "run_key": pipeline.run_key, "pass@1": last.get("pass@1"),
+    tonight = {"night": night, "run_key": pipeline.run_key, "preset": pipeline.preset, "pass@1": last.get("pass@1"),
                "pass@8": last.get("pass@8"), "n_problems": last.get("n_problems", 0),
                "n_samples": last.get("n_samples", 0),
                "align_mean": ((result.get("alignment") or {}).get("token_abs_diff") or {}).get("mean"),
                "diff_steps": [s for s, _ in diff], "diff_values": [v for _, v in diff]}
-    history = load_history(pipeline.store, pipeline.s3_endpoint_url, pipeline.s3_secret_block, pipeline.run_key)
+    history = same_preset(load_history(pipeline.store, pipeline.s3_endpoint_url, pipeline.s3_secret_block,
+                                       pipeline.run_key), pipeline.preset)
     verdict = nightly_verdict(tonight, history, min_history=params.min_history,
                               align_threshold=pipeline.align_threshold)
     record = {**tonight, "verdict": verdict.to_dict()}

@@ -1,6 +1,10 @@
-"""Parameters of the rl-pipeline flow: one pydantic model (a form in the Prefect UI) with two presets.
+"""Parameters of the rl-pipeline flow: one pydantic model (a form in the Prefect UI) with its presets.
 
     PipelineParams.preset("tiny-cpu", steps=20)
+
+The cluster presets also read the block "Cluster site and Miles job": where the existing Ray cluster is
+(ray_address, master_addr, network interfaces, each also from a Prefect JSON block `site_block`), where Miles,
+Megatron-LM and the datasets live on its nodes, and which Miles v4rl builds the job for (31f1ca961).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(hide_input_in_errors=True)
 
-    preset: Literal["tiny-cpu", "dsv4-flash-mi355x"] = Field(
-        "tiny-cpu", description="tiny-cpu runs here end to end; dsv4-flash-mi355x plans and launches Miles on MI355X.")
+    preset: Literal["tiny-cpu", "dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu"] = Field(
+        "tiny-cpu", description="tiny-cpu runs here end to end; the dsv4-flash-mi355x presets run Miles on an existing "
+                                "Ray cluster of MI355X (the seed's 2 + 2 nodes, or Miles' own 1-node / 32-GPU layouts).")
     run_key: str = Field("tiny-cpu", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                          description="Stable name of the run: a new flow run with the same key resumes it.")
     runs_root: str = Field(str(REPO / "runs"), description="Where run directories live (runs/<run_key>/).")
@@ -59,6 +64,32 @@ class PipelineParams(BaseModel):
         default_factory=list, description="Dashboards mirroring metrics.jsonl and eval/: tensorboard "
                                           "(<run_dir>/tensorboard/), wandb (offline under <run_dir>/wandb/ unless "
                                           "WANDB_MODE=online).")
+
+    # ---- Cluster site and Miles job (cluster presets only; names are engines.site.Site / MilesJob fields) ----
+    ray_address: str | None = Field(None, description="RAY_ADDRESS: the Jobs API of the existing Ray cluster, e.g. "
+                                                      "http://10.0.0.1:8265 (v4rl never starts or stops Ray).")
+    master_addr: str | None = Field(None, description="MASTER_ADDR: torch.distributed rendezvous host, usually the "
+                                                      "Ray head's IP.")
+    socket_ifname: str | None = Field(None, description="NIC for NCCL/RCCL, Gloo and tensorpipe bootstrap traffic "
+                                                        "(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).")
+    ib_hca: str | None = Field(None, description="NCCL_IB_HCA: the RDMA devices RCCL/NCCL may use, e.g. rdma0,rdma1.")
+    site_block: str | None = Field(None, description="Prefect JSON block with any of ray_address, master_addr, "
+                                                     "socket_ifname, ib_hca (a parameter given here wins).")
+    miles_dir: str = Field("/workspace/miles", description="Miles checkout on the cluster nodes (main 31f1ca961; "
+                                                            "train.py runs from it).")
+    megatron_dir: str = Field("/root/Megatron-LM", description="Megatron-LM miles-main checkout on the cluster nodes "
+                                                               "(2e64d788b).")
+    data_dir: str = Field("/root/datasets", description="Where the preset's datasets (dapo-math-17k/, aime-2024/) "
+                                                        "are on the cluster nodes; train_data / eval_data win.")
+    eval_name: str = Field("aime", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                           description="Name of eval_data in Miles' metrics (eval/<name>, eval/<name>-pass@k).")
+    miles_check_dir: str | None = Field(None, description="Miles checkout on THIS host for preflight's parse_args "
+                                                          "check; None: $V4RL_MILES_DIR or the pinned tarball.")
+    megatron_check_dir: str | None = Field(None, description="Megatron-LM checkout on this host for that check; "
+                                                             "None: $V4RL_MEGATRON_DIR or the pinned tarball.")
+    align_sglang_url: str | None = Field(None, description="SGLang server serving hf_checkpoint for the cluster "
+                                         "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
+                                         "on the Ray cluster for the gate and stopped before Megatron rescores.")
 
     @field_validator("runs_root", "hf_checkpoint")
     @classmethod
@@ -130,10 +161,46 @@ class PipelineParams(BaseModel):
                              "at least one evaluation runs")
         return self
 
+    def miles_overrides(self) -> dict:
+        """The run preset overrides these parameters make on the cluster path (engines.run_presets OVERRIDES)."""
+        out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
+                     "n_samples_per_prompt": self.n_samples, "eval_interval": self.eval_interval,
+                     "save_interval": self.eval_interval,  # each evaluation has the checkpoint it evaluates
+                     "n_samples_per_eval_prompt": self.eval_samples, "lr": self.lr}
+        if self.train_data:
+            out["prompt_data"] = self.train_data
+        if self.eval_data:
+            out["eval_datasets"] = [[self.eval_name, self.eval_data]]
+        return out
+
+    def miles_job(self):
+        """The engines.train.miles.MilesJob of this run: our torch_dist as --ref-load, Miles' saves in the run dir."""
+        from engines.train.miles import MilesJob
+
+        return MilesJob(run_id=self.run_key, hf_checkpoint=self.hf_checkpoint, ref_load=str(self.run_dir / "torch_dist"),
+                        save_dir=str(self.run_dir / "miles-checkpoints"), miles_dir=self.miles_dir,
+                        megatron_dir=self.megatron_dir, data_dir=self.data_dir, log_dir=str(self.run_dir))
+
+    def site(self):
+        """The engines.site.Site of this run: these parameters over `site_block`'s values."""
+        from engines.site import SITE_PARAMETERS, Site
+
+        given = {k: getattr(self, k) for k in SITE_PARAMETERS if getattr(self, k)}
+        if self.site_block:
+            from prefect.blocks.system import JSON
+
+            block = JSON.load(self.site_block).value
+            unknown = sorted(set(block) - set(SITE_PARAMETERS))
+            if unknown:
+                raise ValueError(f"site_block {self.site_block!r} has unknown keys {unknown}; use "
+                                 f"{', '.join(SITE_PARAMETERS)}")
+            given = {**{k: v for k, v in block.items() if v}, **given}
+        return Site(**given)
+
     @classmethod
     def preset_defaults(cls, name: str, **overrides) -> "PipelineParams":
         base: dict = {"preset": name, "run_key": name}
-        if name == "dsv4-flash-mi355x":  # the seed's run (DESIGN.md Presets)
+        if name.startswith("dsv4-flash-mi355x"):  # the seed's run (DESIGN.md Presets)
             base.update(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, n_eval=30, eval_samples=8,
                         lr=1e-6, hf_checkpoint="/data/DeepSeek-V4-Flash-FP8")
         return cls.model_validate({**base, **overrides})

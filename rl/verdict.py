@@ -8,7 +8,8 @@ A night fails on any of:
               mean_hist - z * sqrt(var_hist + p(1-p)/n_tonight), where n_tonight is the number of graded
               samples (problems x samples per problem, a conservative i.i.d. approximation).
 With fewer than `min_history` earlier nights the pass@1 check cannot tell noise from regression: it is
-skipped and the verdict says so (the night still fails on alignment or drift).
+skipped and the verdict says so (the night still fails on alignment or drift). Nights are compared with
+nights of the same preset only (`same_preset`): a cluster run's AIME pass@1 is no band for tiny-cpu's.
 
     >>> v = nightly_verdict({"align_mean": 0.01, "pass@1": 0.30, "n_problems": 100, "n_samples": 8},
     ...                     [{"pass@1": 0.31}, {"pass@1": 0.29}, {"pass@1": 0.30}])
@@ -32,6 +33,11 @@ class Verdict:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def same_preset(history: list[dict], preset: str) -> list[dict]:
+    """The records of nights that ran `preset` (records written before nights had a preset were tiny-cpu)."""
+    return [h for h in history if h.get("preset", "tiny-cpu") == preset]
 
 
 def nightly_verdict(tonight: dict, history: list[dict], *, align_threshold: float = 0.09, z: float = 2.0,

@@ -1,13 +1,19 @@
-"""Prefect task: the cross-engine alignment gate (engines/align): rollout engine generates once, the trainer
-(from torch_dist, BF16) and transformers' reference rescore the same tokens, and the first diverging layer and
-sub-block is named. Fails the pipeline when over threshold; the JSON report stays in the run directory."""
+"""Prefect task: the cross-engine alignment gate. The preset's engines pick how (engines/backends.py):
+
+  embedded  engines/align: our rollout engine generates once, the trainer (from torch_dist, BF16) and
+            transformers' reference rescore the same tokens, and the first diverging layer and sub-block is named;
+  miles     engines/align/cluster.py: SGLang generates once, Megatron rescores the same tokens through Miles'
+            train-only debug run on the cluster; nothing of the model loads on this host.
+
+Both gate on the same thresholds and write the same JSON report into the run directory; over threshold fails
+the pipeline."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -18,10 +24,17 @@ class AlignmentFailed(RuntimeError):
 
 @task(name="align", cache_policy=NO_CACHE, timeout_seconds=3 * 3600)
 def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, prompts: int = 16, threshold: float = 0.09,
-          artifact_key: str | None = None) -> dict:
+          artifact_key: str | None = None, cluster: dict | None = None) -> dict:
+    """`cluster`: the run's Miles settings (flows/rl_pipeline.py `_miles`), None for the embedded engines."""
     from engines.align import AlignConfig, align as run_align
 
-    report = run_align(hf_dir, torch_dist_dir, AlignConfig(n_prompts=prompts, mean_threshold=threshold))
+    config = AlignConfig(n_prompts=prompts, mean_threshold=threshold)
+    if cluster is not None:
+        from engines.train.miles.pipeline import ClusterRun, align_gate
+
+        report = align_gate(ClusterRun.from_miles(cluster), config, on_line=get_run_logger().info)
+    else:
+        report = run_align(hf_dir, torch_dist_dir, config)
     tmp = Path(json_out).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(json_out)
@@ -29,7 +42,8 @@ def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, prompts: int = 16,
     create_markdown_artifact(
         f"# Alignment: {'passed' if report['passed'] else 'FAILED'}\n\nmean |Δlogprob| {diff['mean']:.4f}, "
         f"p99 {diff['p99']:.4f}, max {diff['max']:.4f} over {report['n_tokens']} tokens; first divergence: "
-        f"{report['first_divergence']}\n", key=artifact_key, description="rollout vs trainer alignment")
+        f"{report['first_divergence']}\n\nengines: {report['engines']}\n", key=artifact_key,
+        description="rollout vs trainer alignment")
     if not report["passed"]:
         raise AlignmentFailed(f"alignment over threshold: {'; '.join(report.get('failures', []))} "
                               f"(report: {json_out})")

@@ -1,5 +1,10 @@
-"""Prefect task: held-out pass@k on the rollout engine serving given weights, over real HTTP (our
+"""Prefect tasks: held-out pass@k of the weights at one step.
+
+`held_out_eval` (embedded engines): the rollout engine serving given weights, over real HTTP (our
 SGLang-compatible server on 127.0.0.1, exactly the client code that drives real SGLang).
+`miles_eval` (cluster): Miles' own evaluation of the step's checkpoint (engines/train/miles/pipeline.py
+`evaluate_step`: the record Miles logged during training, else its eval-only job), read back into the same
+eval/step_XXXXXX.json.
 
 The held-out set is the synthetic one, or the first n_eval usable rows of `eval_data` (bad rows dropped and
 counted, as in training). Reward-function failures score 0, are counted in the result's `grader_errors`, and
@@ -45,3 +50,13 @@ def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max
         return evaluate(HTTPRollout(client), prompts, labels, n=n_samples, max_new_tokens=max_new_tokens,
                         seed=seed + 99, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                         grader=grader)
+
+
+@task(name="miles-eval", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=60, timeout_seconds=6 * 3600)
+def miles_eval(cluster: dict, step: int) -> dict:
+    """eval/step_XXXXXX.json of `step` from Miles (`cluster`: flows/rl_pipeline.py `_miles`)."""
+    from prefect import get_run_logger
+
+    from engines.train.miles.pipeline import ClusterRun, evaluate_step
+
+    return evaluate_step(ClusterRun.from_miles(cluster), step, on_line=get_run_logger().info)

@@ -1,5 +1,11 @@
-"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), the data
-loads (with enough usable rows; bad rows are counted and named), and the reward grades its golden cases right."""
+"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), every CPU step
+of the preset's pipeline fits this machine's memory for the checkpoint (engines/layout/cpu_fit.py), the data
+loads (with enough usable rows; bad rows are counted and named), and the reward grades its golden cases right.
+
+On the cluster path it also builds the Miles job exactly as it will be submitted and has Miles' own parser
+check it on CPU (engines/train/miles/preflight.py): a missing site parameter (RAY_ADDRESS, MASTER_ADDR, an
+interface), a layout Miles cannot run, a Miles checkout that rejects a flag, a value Miles resolves differently
+or a dataset file that does not exist stops the run here, before anything is submitted."""
 
 from __future__ import annotations
 
@@ -12,12 +18,21 @@ GOLDEN = [("\\boxed{85}", "85", 1.0), ("The answer is \\boxed{85}.", "85", 1.0),
 
 @task(name="preflight", cache_policy=NO_CACHE)
 def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data: str = "", eval_data: str = "",
-              prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8) -> dict:
+              prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8,
+              miles: dict | None = None) -> dict:
+    """`miles` (cluster presets): {"site": Site fields, "job": MilesJob fields, "overrides": preset overrides,
+    "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones)}."""
     from engines.launch import preflight_plan
     from rl.math_task import make_splits
     from rl.rewards import grade
 
-    plan = preflight_plan(preset)  # raises InfeasibleLayout naming each violated rule and its fix
+    plan = preflight_plan(preset, (miles or {}).get("overrides"))  # InfeasibleLayout naming each rule and fix
+    if hf_checkpoint:  # raises CpuFitError naming the step, its estimate and this machine's memory
+        from engines.backends import pipeline_backend
+        from engines.layout.cpu_fit import check_cpu_fit
+
+        fits = check_cpu_fit(hf_checkpoint, pipeline_backend(preset).cpu_steps)
+        get_run_logger().info("CPU steps fit: %s", ", ".join(f"{s.step} ~{s.bytes / 1e9:.1f} GB" for s in fits))
     wrong = [(r, label, want, grade(r, label).reward) for r, label, want in GOLDEN if grade(r, label).reward != want]
     if wrong:
         raise RuntimeError(f"reward function misgrades its golden cases: {wrong}")
@@ -32,7 +47,37 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
             get_run_logger().info("%s: %s", what, report.summary())
             out[f"{what}_rows"] = report.n_kept
             out[f"{what}_dropped"] = dict(report.dropped)
+    if miles is not None:
+        out["miles"] = _check_miles_job(preset, miles)
     return out
+
+
+def _check_miles_job(preset: str, miles: dict) -> dict:
+    """Build the job as run_job will and run Miles' parse_args on it; MilesRejected (not retried) when refused."""
+    from pathlib import Path
+
+    from engines.profiles import get_profile
+    from engines.run_presets import resolve
+    from engines.site import Site
+    from engines.train.miles import MilesJob, prepare_job
+    from engines.train.miles.preflight import MilesRejected, check_command
+
+    log = get_run_logger()
+    site, job, overrides = Site(**miles["site"]), MilesJob(**miles["job"]), miles.get("overrides")
+    prepared = prepare_job(preset, job, site=site, overrides=overrides)  # SiteError / InfeasibleLayout / config
+    eff, inp = resolve(preset, overrides)
+    data_here = Path(job.data_dir).is_dir()  # dataset files are checked where this host sees the cluster's disk
+    if not data_here:
+        log.warning("data_dir %s is not on this host: the preset's dataset files are not checked here", job.data_dir)
+    check = check_command(prepared.command, eff, job, cluster=inp.cluster, profile=get_profile(eff.profile),
+                          miles_dir=miles.get("miles_dir"), megatron_dir=miles.get("megatron_dir"),
+                          check_data=data_here)
+    if not check.ok:
+        raise MilesRejected(check.summary())
+    log.info("%s (Megatron-LM %s; stubbed GPU-only modules: %d)", check.summary(), check.megatron_dir,
+             len(check.stubbed))
+    return {"accepted": True, "miles_dir": check.miles_dir, "argv": prepared.command.argv,
+            "submit": prepared.submit_argv[:5]}
 
 
 def _check_data_file(path: str, hf_checkpoint: str, max_new_tokens: int, needed: int, what: str, needed_by: str):

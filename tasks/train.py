@@ -1,6 +1,10 @@
 """Prefect task: one segment of GRPO training. Retries resume from the run's last checkpoint (the trainer
 reloads weights, optimizer, RNG and data cursor), and the cache key is the run key + segment end, not the
-task run id, so a new flow run after a crash skips finished segments and resumes the interrupted one."""
+task run id, so a new flow run after a crash skips finished segments and resumes the interrupted one.
+
+The config names the engines (flows/rl_pipeline.py `_train_config`): the embedded trainer and rollout engine,
+or (`"engine": "miles"`) one Miles job on the cluster that trains up to the segment's end, resuming through
+--load by Miles' own rules (engines/train/miles/pipeline.py `train_segment`)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ def train_segment(run_dir: str, config: dict, until: int, fingerprint: str, prog
     from rl.loop import LoopConfig
 
     log = get_run_logger()
+    if config.get("engine") == "miles":
+        from engines.train.miles.pipeline import ClusterRun, train_segment as miles_segment
+
+        summary = miles_segment(ClusterRun.from_miles(config["cluster"]), until, on_line=log.info)
+        if progress_id:
+            update_progress_artifact(progress_id, progress=100.0 * until / config["steps"])
+        return {"run_dir": run_dir, "resumed_from": summary["resumed_from"], "last_step": summary["last_step"]}
     cfg = TrainRunConfig(**{**config, "loop": LoopConfig(**config["loop"])})
 
     def on_step(step: int, metrics: dict) -> None:
@@ -38,21 +49,3 @@ def train_segment(run_dir: str, config: dict, until: int, fingerprint: str, prog
 
     summary = run_training(run_dir, cfg, until=until, log=log.info, on_step=on_step)
     return {"run_dir": run_dir, "resumed_from": summary["resumed_from"], "last_step": summary["last_step"]}
-
-
-@task(name="train-on-cluster", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_transient,
-      timeout_seconds=7 * 24 * 3600)
-def train_on_cluster(preset: str, run_key: str, hf_checkpoint: str, torch_dist_dir: str, save_dir: str,
-                     miles_dir: str = "/workspace/miles") -> dict:
-    """The cluster path (GPU, `gpu`-marked in tests): Miles on the existing Ray cluster with our torch_dist as
-    --ref-load; a retry resumes through --load from save_dir's latest iteration."""
-    from engines.train.miles import MilesJob, run_job
-
-    log = get_run_logger()
-    job = MilesJob(run_id=run_key, hf_checkpoint=hf_checkpoint, ref_load=torch_dist_dir, save_dir=save_dir,
-                   miles_dir=miles_dir)
-    outcome = run_job(preset, job, on_line=log.info)
-    if outcome.returncode != 0:
-        raise RuntimeError(f"Miles exited with {outcome.returncode}; last lines:\n" + "\n".join(outcome.tail[-20:]))
-    last = outcome.last()
-    return {"log": str(outcome.log_path), "seconds": outcome.seconds, "last_step": getattr(last, "step", None)}

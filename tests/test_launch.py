@@ -1,8 +1,10 @@
-"""Launch plans and the Miles command line reproduce the seed's launch command setting by setting.
+"""Launch plans and the seed's launcher command reproduce the seed's launch command setting by setting.
 
 The seed (seeds/dsv4-flash-rl-mi355x.md, "Launch commands") is copied below verbatim; every export, every
 `ray start`, every launcher flag and every --extra-args / --extra-env-vars entry is parsed out of it and
-checked against what engines.launch and engines.train.miles produce. NUM_GPUS = 0.
+checked against what engines.launch and engines.train.miles produce. The seed's launcher command only parses on
+Miles' PR-head a8684732f (`launcher_argv`, kept as a documented extra); the job v4rl submits is the `train.py`
+job (tests/test_miles_job.py), and the launch plan shows that job. NUM_GPUS = 0.
 
     .venv/bin/python -m pytest tests/test_launch.py -q
 """
@@ -17,7 +19,7 @@ import pytest
 
 from engines.launch import SEED_RUN, Site, get_run_preset, launch_plan
 from engines.profiles import get_profile
-from engines.train.miles import MilesJob, launcher_argv, train_args
+from engines.train.miles import MilesJob, build_command, launcher_argv, parse_flags
 
 SEED_LAUNCH = r"""
 ray start --head --node-ip-address=$HEAD_IP --port=6379 --num-gpus=8
@@ -128,12 +130,19 @@ def test_extra_env_var_matches_the_seed(pair):
     assert get_profile("mi355x").launcher_env[key] == value
 
 
+DRIVER_ONLY = ("MILES_SCRIPT_EXTERNAL_RAY", "RAY_ADDRESS")  # the submitting client's; ranks do not need them
+
+
 @pytest.mark.parametrize("key", list(_seed_exports()))
 def test_cluster_export_matches_the_seed(key):
     plan = launch_plan(SEED_RUN.name, site=SEED_SITE, job=_job())
     assert plan["env"][key] == _seed_exports()[key]
-    assert all(p["env"][key] == _seed_exports()[key] for n in plan["nodes"] for p in n["processes"]
-               if p["kind"] in ("megatron-rank", "sglang-engine"))
+    ranks = [p for n in plan["nodes"] for p in n["processes"] if p["kind"] in ("megatron-rank", "sglang-engine")]
+    if key in DRIVER_ONLY:  # the submit argv carries the address; the runtime env does not need it
+        assert all(key not in p["env"] for p in ranks)
+    else:  # every rank gets the seed's value through the Ray runtime env (conformance A10)
+        assert all(p["env"][key] == _seed_exports()[key] for p in ranks)
+        assert plan["miles"]["env"][key] == _seed_exports()[key]
 
 
 def test_ray_start_lines_and_image_match_the_seed():
@@ -143,7 +152,8 @@ def test_ray_start_lines_and_image_match_the_seed():
     assert all(n["processes"][0]["command"] == worker for n in plan["nodes"][1:])
     assert plan["docker_image"] == SEED_IMAGE and plan["fp8_dtype"] == "e4m3fn"
     driver = next(p for p in plan["nodes"][0]["processes"] if p["kind"] == "miles-driver")
-    assert _flags(driver["argv"]) == OURS | {"--run-id": driver["argv"][4]} and driver["cwd"] == "/workspace/miles"
+    assert driver["argv"][:5] == ["ray", "job", "submit", "--address", "xxx"] == plan["miles_submit"][:5]
+    assert driver["argv"][driver["argv"].index("--") + 1:][:2] == ["python3", "/workspace/miles/train.py"]
 
 
 def test_launch_plan_places_trainer_ranks_and_sglang_engines():
@@ -153,9 +163,13 @@ def test_launch_plan_places_trainer_ranks_and_sglang_engines():
     ranks = [p for n in plan["nodes"] for p in n["processes"] if p["kind"] == "megatron-rank"]
     engines = [p for n in plan["nodes"] for p in n["processes"] if p["kind"] == "sglang-engine"]
     assert len(ranks) == 16 and len(engines) == 4  # 2 x 8 actor GPUs; 16 rollout GPUs / TP4 engines
-    flags = [_flags(e["argv"]) for e in engines]  # the same argv builder the launcher uses (engines/rollout)
-    assert all(e["argv"][:3] == ["python3", "-m", "sglang.launch_server"] for e in engines)
-    assert [f["--base-gpu-id"] for f in flags] == ["0", "4", "0", "4"] and {f["--tp-size"] for f in flags} == {"4"}
+    flags = [parse_flags(e["args"]) for e in engines]  # the engine flags of the one submitted argv
+    assert all(e["args"] == engines[0]["args"] for e in engines) and [e["gpus"][0] for e in engines] == [0, 4, 0, 4]
+    assert {k: v for k, v in flags[0].items() if k in ("--sglang-tp-size", "--sglang-ep-size",
+                                                       "--sglang-max-running-requests", "--sglang-max-total-tokens",
+                                                       "--sglang-context-length")} == {
+        "--sglang-tp-size": ["4"], "--sglang-ep-size": ["4"], "--sglang-max-running-requests": ["48"],
+        "--sglang-max-total-tokens": ["524288"], "--sglang-context-length": ["16384"]}
     assert {r["coords"]["pp"] for r in ranks} == {0, 1, 2, 3} and {r["coords"]["ep"] for r in ranks} == {0, 1, 2, 3}
     last = [r for r in ranks if r["coords"]["pp"] == 3]
     assert len(last) == 4 and all(r["layers"] == [33, 43] for r in last)
@@ -164,16 +178,14 @@ def test_launch_plan_places_trainer_ranks_and_sglang_engines():
         assert args["--pipeline-model-parallel-size"] == "4" and args["--decoder-last-pipeline-num-layers"] == "10"
         assert r["env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and r["env"]["NCCL_IB_GID_INDEX"] == "1"
     for e in engines:
-        sg = _flags(e["argv"])
-        assert (sg["--tp-size"], sg["--ep-size"], sg["--max-running-requests"], sg["--max-total-tokens"],
-                sg["--context-length"]) == ("4", "4", "48", "524288", "16384")
         assert len(e["gpus"]) == 4 and e["ray"]["bundle"] >= 16
     pg = plan["ray"]["placement_group"]
     assert pg["bundles"] == 32 and pg["actor_bundles"] == [0, 16] and pg["rollout_bundles"] == [16, 32]
 
 
-def test_train_py_arguments_carry_the_same_settings():
-    args = _flags(["x"] + train_args(SEED_RUN, get_profile("mi355x"), _job()))
+def test_train_py_job_carries_the_seeds_settings():
+    args = {k: " ".join(v) if v else None
+            for k, v in build_command(SEED_RUN, _job(), site=SEED_SITE).flag_values().items()}
     expected = {"--actor-num-nodes": "2", "--actor-num-gpus-per-node": "8", "--rollout-num-gpus": "16",
                 "--rollout-num-gpus-per-engine": "4", "--num-rollout": "200", "--rollout-batch-size": "32",
                 "--n-samples-per-prompt": "8", "--num-steps-per-rollout": "1", "--rollout-max-response-len": "4096",
@@ -183,9 +195,11 @@ def test_train_py_arguments_carry_the_same_settings():
                 "--decoder-last-pipeline-num-layers": "10", "--context-parallel-size": "1",
                 "--expert-model-parallel-size": "4", "--expert-tensor-parallel-size": "1",
                 "--recompute-granularity": "full", "--eval-interval": "10", "--n-samples-per-eval-prompt": "8",
-                "--ref-load": "/models/V4-Flash_torch_dist", "--hf-checkpoint": "/models/V4-Flash-FP8"}
+                "--ref-load": "/models/V4-Flash_torch_dist", "--hf-checkpoint": "/models/V4-Flash-FP8",
+                "--load": "/ckpt/run", "--save": "/ckpt/run", "--micro-batch-size": "1", "--qkv-format": "bshd"}
     assert {k: args.get(k) for k in expected} == expected
-    assert {"--use-tis", "--optimizer-cpu-offload", "--use-dynamic-batch-size"} <= set(args)
+    assert {"--use-tis", "--optimizer-cpu-offload", "--bf16", "--colocate"} - set(args) == {"--colocate"}
+    assert "--use-dynamic-batch-size" not in args  # bshd forbids it (conformance A5)
 
 
 def test_profiles():
@@ -202,4 +216,6 @@ def test_profiles():
 def test_h200_profile_plan_is_checked_against_141gb():
     plan = launch_plan(SEED_RUN.name, {"profile": "h200"})
     assert plan["profile"] == "h200" and plan["docker_image"] is None
-    assert plan["nodes"][0]["processes"][1]["argv"][1] == "scripts/run_deepseek_v4.py"
+    env = plan["miles"]["env"]  # Miles' CUDA launcher's switches, none of the ROCm ones
+    assert env["NCCL_NVLS_ENABLE"] == "1" and env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+    assert "GPU_MAX_HW_QUEUES" not in env and "SGLANG_HACK_FLASHMLA_BACKEND" not in env

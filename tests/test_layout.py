@@ -93,9 +93,23 @@ def test_moe_parallel_folding_makes_tp8_pp8_ep8_on_64_gpus_legal():
     assert plan.pipeline_layers == [4, 6, 6, 6, 6, 6, 6, 3]
 
 
+def test_per_sample_micro_batches_are_sized_by_the_longest_sample_not_the_packing_budget():
+    def activations(**over):
+        return [s.activations for s in preflight_plan(SEED, over, raise_on_infeasible=False).stages]
+
+    assert activations(max_tokens_per_gpu=8192) == activations(max_tokens_per_gpu=16384)
+    packed = activations(max_tokens_per_gpu=16384, micro_batching="packed")
+    assert all(p > s for p, s in zip(packed, activations()))  # 16384 packed tokens > one 6144-token sample
+
+
 def test_batch_sample_and_rollout_rules():
     assert "batch-steps" in _rules(preflight_plan(SEED, {"num_steps_per_rollout": 3}, raise_on_infeasible=False))
-    assert "sample-fits" in _rules(preflight_plan(SEED, {"max_tokens_per_gpu": 4096}, raise_on_infeasible=False))
+    packed = {"max_tokens_per_gpu": 4096, "micro_batching": "packed"}
+    assert "sample-fits" in _rules(preflight_plan(SEED, packed, raise_on_infeasible=False))
+    # Miles' DeepSeek-V4 micro-batches are one sample each (bshd): the packing budget does not bound them
+    per_sample = preflight_plan(SEED, {"max_tokens_per_gpu": 4096}, raise_on_infeasible=False)
+    assert "sample-fits" not in _rules(per_sample)
+    assert per_sample.comm.micro_batches == 32 * 8 // per_sample.dp
     bad = preflight_plan(SEED, {"sglang_ep": 3, "max_total_tokens": 8192}, raise_on_infeasible=False)
     assert {"rollout-tp-ep", "rollout-experts-ep", "rollout-kv-tokens"} <= set(_rules(bad))
     assert "sp-needs-tp" in _rules(preflight_plan(SEED, {"sequence_parallel": True}, raise_on_infeasible=False))

@@ -61,23 +61,28 @@ def test_missing_tracker_and_missing_data_cursor(tmp_path):
 
 
 def test_fresh_start_and_converted_release_checkpoint(tmp_path):
+    from engines.train.miles import MilesCheckpointError
+
     assert find_resume(tmp_path / "absent").iteration is None
     (tmp_path / TRACKER).write_text("release")
     (tmp_path / "release").mkdir()
-    resume = find_resume(tmp_path)
-    assert (resume.iteration, resume.start_rollout_id, resume.repair_tracker) == (None, 0, False)
+    with pytest.raises(MilesCheckpointError, match="start at rollout 1, skipping rollout 0"):
+        find_resume(tmp_path)  # Megatron would load it as iteration 0 and Miles start at rollout 1
     (tmp_path / TRACKER).write_text("40")  # names a save that never finished: Megatron would crash on --load
     assert prepare_resume(tmp_path).repair_tracker and read_tracker(tmp_path) is None
 
 
-def test_resume_notes_reach_the_launcher_command():
+def test_resume_flags_reach_the_job_and_the_seed_launcher_command():
     from engines.launch import SEED_RUN
     from engines.profiles import get_profile
-    from engines.train.miles import Resume
+    from engines.train.miles import Resume, build_command
 
     job = MilesJob(run_id="r", hf_checkpoint="/hf", ref_load="/td", save_dir="/s", extra_args=("--lr", "2e-6"))
-    argv = launcher_argv(SEED_RUN, get_profile("mi355x"), job, Resume(19, 20, extra_args=("--no-load-optim",)))
-    extra = argv[argv.index("--extra-args") + 1].split()
+    resume = Resume(19, 20, extra_args=("--no-load-optim",))
+    argv = build_command(SEED_RUN, job, resume=resume).argv
+    assert argv[-3:] == ["--no-load-optim", "--lr", "2e-6"] and argv[argv.index("--load") + 1] == "/s"
+    seed = launcher_argv(SEED_RUN, get_profile("mi355x"), job, resume)
+    extra = seed[seed.index("--extra-args") + 1].split()
     assert extra[-3:] == ["--no-load-optim", "--lr", "2e-6"] and "--load" in extra
 
 
@@ -90,8 +95,8 @@ ROLLOUT = ("(MegatronTrainRayActor pid=2211, ip=10.1.0.3) [2026-06-01 10:00:00] 
            "'rollout/step': 12}")
 PERF = ("[2026-06-01 10:00:00] metrics.py:88 - perf 12: {'rollout/response_len/mean': 3012.5, "
         "'rollout/truncated_ratio': 0.55, 'perf/rollout_time': 812.4, 'perf/tokens_per_gpu_per_sec': 1650.0}")
-EVAL = ("[2026-06-01 10:00:00] metrics.py:140 - eval 10: {'eval/aime': 0.49, 'eval/aime-truncated_ratio': 0.55, "
-        "'eval/aime/pass@8': 0.67, 'eval/step': 10}")
+EVAL = ("[2026-06-01 10:00:00] metrics.py:53 - eval 10: {'eval/aime-none_reward_ratio': 0.0, 'eval/aime': 0.49, "
+        "'eval/aime-truncated_ratio': 0.55, 'eval/aime-pass@8': np.float64(0.67), 'eval/step': 10}")
 
 
 def test_parse_miles_metric_lines():
@@ -104,7 +109,8 @@ def test_parse_miles_metric_lines():
     perf = parse_metric_line(PERF)
     assert perf.metrics["rollout/truncated_ratio"] == 0.55 and perf.metrics["perf/rollout_time"] == 812.4
     ev = parse_metric_line(EVAL)
-    assert ev.metrics == {"eval/aime/reward": 0.49, "eval/aime/truncated_ratio": 0.55, "eval/aime/pass@8": 0.67}
+    assert ev.metrics == {"eval/aime-none_reward_ratio": 0.0, "eval/aime": 0.49, "eval/aime-truncated_ratio": 0.55,
+                          "eval/aime-pass@8": 0.67}  # Miles' own names (A13), np.float64 read (A14)
     for noise in ("[INFO] step 3 done", "perf 3: not a dict", "rollout 1: {'a': __import__('os')}", "",
                   "Training step 3: {'x': 1"):
         assert parse_metric_line(noise) is None
@@ -183,12 +189,17 @@ def test_a_resume_that_starts_from_rollout_zero_fails_loudly(tmp_path):
 def test_miles_run_on_the_cluster(tmp_path):
     """Runs the seed preset through Miles on a live Ray cluster. Needs MILES_DIR, HF_CHECKPOINT, REF_LOAD,
     RAY_ADDRESS (and the cluster the preset names); a few steps: V4RL_MILES_EXTRA='--num-rollout 2'."""
-    needed = ("MILES_DIR", "HF_CHECKPOINT", "REF_LOAD", "RAY_ADDRESS")
+    from engines.site import Site
+
+    needed = ("MILES_DIR", "HF_CHECKPOINT", "REF_LOAD", "RAY_ADDRESS", "MASTER_ADDR", "NCCL_SOCKET_IFNAME",
+              "NCCL_IB_HCA")
     if any(k not in os.environ for k in needed):
         pytest.skip(f"set {', '.join(needed)} to run Miles on a cluster")
+    site = Site(ray_address=os.environ["RAY_ADDRESS"], master_addr=os.environ["MASTER_ADDR"],
+                socket_ifname=os.environ["NCCL_SOCKET_IFNAME"], ib_hca=os.environ["NCCL_IB_HCA"])
     job = MilesJob(run_id=f"v4rl-gpu-test-{int(time.time())}", hf_checkpoint=os.environ["HF_CHECKPOINT"],
                    ref_load=os.environ["REF_LOAD"], save_dir=str(tmp_path / "ckpt"), miles_dir=os.environ["MILES_DIR"],
                    log_dir=str(tmp_path), extra_args=tuple(os.environ.get("V4RL_MILES_EXTRA", "").split()))
-    outcome = run_job("dsv4-flash-mi355x", job, idle_timeout_s=3600)
+    outcome = run_job("dsv4-flash-mi355x", job, site=site, idle_timeout_s=3600)
     assert outcome.last("step") is not None
     assert outcome.last("step").metrics["train/train_rollout_logprob_abs_diff"] < 0.5

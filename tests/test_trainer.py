@@ -139,3 +139,28 @@ def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(t
         got = trainer.logprobs(seqs)
         gaps[qat] = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y))
     assert gaps[True] < 1e-4 and gaps[False] > 100 * gaps[True], gaps
+
+
+def test_trainer_computes_on_every_core_unless_told(tiny_checkpoint):
+    """Ray gives a 1-CPU actor OMP_NUM_THREADS=1; the trainer computes on every core (rollout and training take
+    turns) and gives the process its setting back after each call."""
+    import os
+
+    import pytest
+
+    cfg, native = load_hf_checkpoint(tiny_checkpoint)
+    seqs = _seqs(4, seed=2)
+    before = torch.get_num_threads()
+    try:
+        for threads, expected in ((None, os.cpu_count()), (1, 1)):
+            torch.set_num_threads(1)
+            trainer = Trainer.from_native(cfg, native, TrainerConfig(threads=threads))
+            seen = []
+            trainer.model.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+            trainer.logprobs(seqs)
+            assert seen and set(seen) == {expected}
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads"):
+        TrainerConfig(threads=0)

@@ -8,7 +8,7 @@ and alignment over threshold or a rising logprob difference fail on their own.
 from __future__ import annotations
 
 from rl.loop import segment_ends
-from rl.verdict import nightly_verdict
+from rl.verdict import nightly_verdict, same_preset
 
 HISTORY = [{"pass@1": p} for p in (0.31, 0.29, 0.30, 0.32, 0.30)]
 
@@ -62,3 +62,9 @@ def test_segments_end_at_every_evaluation_and_at_the_last_step():
     assert segment_ends(20, 10) == [10, 20]
     assert segment_ends(25, 10) == [10, 20, 25]
     assert segment_ends(4, 10) == [4]
+
+
+def test_history_is_compared_per_preset():
+    history = [{"pass@1": 0.3}, {"pass@1": 0.31, "preset": "tiny-cpu"}, {"pass@1": 0.05, "preset": "dsv4-flash-mi355x"}]
+    assert same_preset(history, "tiny-cpu") == history[:2]  # records from before presets were recorded: tiny-cpu
+    assert same_preset(history, "dsv4-flash-mi355x") == history[2:]

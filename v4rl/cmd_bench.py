@@ -1,4 +1,4 @@
-"""`v4rl bench convert|rollout|train --json OUT`: side-by-side benchmarks (bench/), JSON out."""
+"""`v4rl bench convert|rollout|train|e2e --json OUT`: side-by-side benchmarks (bench/), JSON out."""
 
 from __future__ import annotations
 
@@ -7,16 +7,22 @@ from pathlib import Path
 
 import typer
 
-BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train"}
+BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train", "e2e": "bench.e2e"}
+STEPS_BENCHES = ("e2e",)
+"""Benchmarks that take --steps."""
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(name: str = typer.Argument(..., help=f"One of {', '.join(BENCHES)}."),
-              json_out: Path = typer.Option(..., "--json", help="Where to write the results.")) -> None:
+              json_out: Path = typer.Option(..., "--json", help="Where to write the results."),
+              steps: int = typer.Option(None, "--steps", min=1, help="GRPO steps per side (e2e only; default 20).")
+              ) -> None:
         """Run a side-by-side benchmark against its named peer; ratios measured in the same run."""
         if name not in BENCHES:
             raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
+        if steps is not None and name not in STEPS_BENCHES:
+            raise typer.BadParameter(f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}")
         try:
             module = importlib.import_module(BENCHES[name])
         except ModuleNotFoundError as exc:
@@ -24,4 +30,4 @@ def register(app: typer.Typer) -> None:
                 raise
             typer.secho(f"benchmark {name!r} is not built yet", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
-        module.main(json_out)
+        module.main(json_out, **({"steps": steps} if steps is not None else {}))

@@ -1,11 +1,17 @@
-"""`v4rl plan`: check a parallel layout before a cluster is spent; show its memory, traffic and launch plan.
+"""`v4rl plan`: check a parallel layout before a cluster is spent; show its memory, traffic, launch plan and
+the Miles job; with `--miles-dir`, run Miles' own argument parser on that job (CPU, ~40 s).
 
     v4rl plan --preset dsv4-flash-mi355x                      # the seed's layout: tables, exit 0
     v4rl plan --preset dsv4-flash-mi355x --pp 4 --json        # 43 layers on 4 stages without --pp-last: exit 2
     v4rl plan --preset dsv4-flash-mi355x --rank 5             # the 5 feasible layouts with least communication
     v4rl plan --preset dsv4-flash-mi355x --launch --head-ip 10.0.0.1 --ifname ens50f0 --ib-hca rdma0,rdma1
+    v4rl plan --preset dsv4-flash-mi355x --miles-dir ~/miles --megatron-dir ~/Megatron-LM [--json]
+    v4rl plan --preset dsv4-flash-mi355x-1node --compare-launcher [--miles-dir DIR]   # vs Miles' own launcher
+    v4rl plan --preset dsv4-flash-mi355x --seed-command       # the seed's launcher command (Miles PR-head only)
 
-Exit codes: 0 feasible, 2 infeasible, 1 bad input. Library: engines.launch.preflight_plan / launch_plan.
+Exit codes: 0 feasible (and, when asked, Miles accepts the job / the launcher comparison has no DIFF), 2
+infeasible or rejected (the flags and values named), 1 bad input. Without `--miles-dir`/`--compare-launcher`
+nothing but the planner runs (well under a second). Library: engines.launch, engines.train.miles.
 """
 
 from __future__ import annotations
@@ -59,6 +65,20 @@ def plan(
     hf_checkpoint: Optional[str] = typer.Option(None, help="Launch plan: FP8 HF dir (--hf-checkpoint)."),
     ref_load: Optional[str] = typer.Option(None, help="Launch plan: our torch_dist dir (--ref-load)."),
     save_dir: Optional[str] = typer.Option(None, help="Launch plan: Miles --save/--load dir."),
+    ray_address: Optional[str] = typer.Option(None, help="RAY_ADDRESS of the existing cluster (default http://HEAD:8265)."),
+    master_addr: Optional[str] = typer.Option(None, help="MASTER_ADDR (default: --head-ip)."),
+    data_dir: Optional[str] = typer.Option(None, help="Datasets directory on the cluster (checked when given)."),
+    train_data: Optional[str] = typer.Option(None, help="--prompt-data file (checked when given)."),
+    eval_data: list[str] = typer.Option([], help="NAME=PATH eval dataset for --eval-prompt-data (repeat; checked)."),
+    miles_dir: Optional[str] = typer.Option(None, help="Run Miles' own parse_args on the job from this checkout "
+                                            "(or $V4RL_MILES_DIR / the pinned tarball with --check-miles)."),
+    megatron_dir: Optional[str] = typer.Option(None, help="Megatron-LM checkout for --miles-dir "
+                                               "(default $V4RL_MEGATRON_DIR or the pinned tarball)."),
+    check_miles: bool = typer.Option(False, "--check-miles", help="Run the Miles check with the default sources."),
+    compare_launcher: bool = typer.Option(False, "--compare-launcher",
+                                          help="Compare the job with Miles' own launcher, flag by flag."),
+    seed_command: bool = typer.Option(False, "--seed-command",
+                                      help="Print the seed's launcher command (parses on Miles PR-head a8684732f)."),
 ) -> None:
     """Check a parallel layout (Megatron + SGLang rules, per-GPU memory, traffic); exit 0 feasible, 2 not."""
     from engines.launch import preflight_plan, resolve
@@ -70,45 +90,70 @@ def plan(
                      optimizer_offload=optimizer_offload, sglang_tp=sglang_tp, sglang_ep=sglang_ep,
                      sglang_dp=sglang_dp, max_running_requests=max_running_requests,
                      max_total_tokens=max_total_tokens, context_length=context_length, profile=profile,
-                     model_config=model_config, mem_fraction_static=mem_fraction_static)
+                     model_config=model_config, mem_fraction_static=mem_fraction_static,
+                     prompt_data=train_data, eval_datasets=_eval_pairs(eval_data))
+    paths = dict(hf_checkpoint=hf_checkpoint, ref_load=ref_load, save_dir=save_dir, data_dir=data_dir)
+    site_args = dict(head_ip=head_ip, worker_ip=worker_ip, ifname=ifname, ib_hca=ib_hca, ray_address=ray_address,
+                     master_addr=master_addr)
     try:
         if recompute not in (None, "full", "selective", "none"):
             raise ValueError(f"--recompute must be full, selective or none (got {recompute!r})")
         result = preflight_plan(preset, overrides, raise_on_infeasible=False)
         alternatives = rank_layouts(resolve(preset, overrides)[1], rank) if rank > 0 else []
-        launch_obj = _launch(preset, overrides, head_ip, worker_ip, ifname, ib_hca, hf_checkpoint, ref_load,
-                             save_dir) if launch else None
+        from v4rl import plan_miles
 
+        cluster = resolve(preset, overrides)[0].profile != "cpu"
+        site, job = plan_miles.site_and_job(preset, overrides, paths, **site_args) if cluster else (None, None)
+        launch_obj = plan_miles.launch(preset, overrides, site, job) if launch and cluster else None
+        miles_obj = plan_miles.job_json(preset, overrides, site, job) if cluster and (json_out or seed_command) \
+            else None
+        check = plan_miles.check(preset, overrides, site, job, miles_dir=miles_dir, megatron_dir=megatron_dir,
+                                 check_data=bool(data_dir or train_data or eval_data)) \
+            if cluster and (miles_dir or check_miles) else None
+        comparison = plan_miles.compare(preset, overrides, site, miles_dir) if compare_launcher else None
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
+    except RuntimeError as exc:  # EngineSourceMissing and a failed engine subprocess: say what to set
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=BAD_INPUT)
     code = FEASIBLE if result.feasible else INFEASIBLE
+    if (check is not None and not check.ok) or (comparison is not None and not comparison.ok):
+        code = INFEASIBLE
     if json_out or launch:
         obj: dict[str, Any] = result.to_json() if json_out else {}
         if alternatives:
             obj["alternatives"] = [_summary(p) for p in alternatives]
+        if miles_obj is not None:
+            obj["miles"] = miles_obj
+        if check is not None:
+            obj["miles_check"] = check.to_json()
+        if comparison is not None:
+            obj["launcher_comparison"] = comparison.to_json()
         if launch_obj is not None:
             obj = {**obj, "launch": launch_obj} if json_out else launch_obj
         typer.echo(json.dumps(obj, indent=1))
     else:
         _print_tables(preset, result, alternatives)
+        if cluster:
+            typer.echo(plan_miles.pin_line())
+        if seed_command and miles_obj is not None:
+            typer.echo(plan_miles.seed_command_text(miles_obj))
+        if check is not None:
+            plan_miles.print_check(check)
+        if comparison is not None:
+            plan_miles.print_comparison(comparison)
     raise typer.Exit(code=code)
 
 
-def _launch(preset: str, overrides: dict, head_ip, worker_ip, ifname, ib_hca, hf_checkpoint, ref_load,
-            save_dir) -> dict:
-    import dataclasses
-
-    from engines.launch import Site, launch_plan, resolve
-    from engines.profiles import get_profile
-    from engines.train.miles import MilesJob
-
-    eff, _ = resolve(preset, overrides)
-    job = MilesJob.placeholder(eff, get_profile(eff.profile))
-    job = dataclasses.replace(job, **{k: v for k, v in dict(hf_checkpoint=hf_checkpoint, ref_load=ref_load,
-                                                            save_dir=save_dir).items() if v})
-    site = Site(head_ip=head_ip, worker_ips=tuple(worker_ip), socket_ifname=ifname, ib_hca=ib_hca)
-    return launch_plan(preset, overrides, site=site, job=job)
+def _eval_pairs(items: list[str]) -> list[tuple[str, str]] | None:
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"--eval-data {item!r}: give NAME=PATH (e.g. aime=/data/aime-2024.jsonl)")
+        pairs.append((name, path))
+    return pairs or None
 
 
 def _summary(p) -> dict[str, Any]:

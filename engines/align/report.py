@@ -110,8 +110,8 @@ def _finite(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def _gate(stats: dict, first: dict | None, config: AlignConfig) -> list[str]:
-    """Reasons the check fails (empty: passed)."""
+def gate(stats: dict, first: dict | None, config: AlignConfig) -> list[str]:
+    """Reasons the check fails (empty: passed): the token thresholds, and a diverging sub-block if one is named."""
     failures = []
     for key, limit in (("mean", config.mean_threshold), ("p99", config.p99_threshold), ("max", config.max_threshold)):
         if limit is not None and stats[key] > limit:
@@ -120,6 +120,31 @@ def _gate(stats: dict, first: dict | None, config: AlignConfig) -> list[str]:
         failures.append(f"layer {first['layer']} {first['sub_block']} diverges in fp32: {first['metric']} "
                         f"{first['value']:.3g} > {first['tolerance']:g} (from position {first['first_position']})")
     return failures
+
+
+def thresholds(config: AlignConfig) -> dict:
+    return {"mean": config.mean_threshold, "p99": config.p99_threshold, "max": config.max_threshold,
+            "layer_rel_tol": config.layer_rel_tol, "router_tol": config.router_tol,
+            "fail_on_divergence": config.fail_on_divergence}
+
+
+def token_report(rollout_lp: list[list[float]], trainer_lp: list[list[float]], config: AlignConfig, *,
+                 reference: list[list[float]] | None = None) -> dict:
+    """The report's token statistics over the same response tokens: `token_abs_diff` (rollout vs trainer, the
+    gated number), `by_position`, `pairs` and `n_tokens`; shared by the CPU and the cluster gate."""
+    rollout_t, mask = _padded(rollout_lp)
+    trainer_t, _ = _padded(trainer_lp)
+    stats = abs_diff_stats(rollout_t, trainer_t, mask)
+    means, counts = by_position(rollout_t, trainer_t, mask, bucket=config.position_bucket, return_counts=True)
+    pairs = {"rollout_vs_trainer": stats}
+    if reference is not None:
+        reference_t, _ = _padded(reference)
+        pairs.update(rollout_vs_reference=abs_diff_stats(rollout_t, reference_t, mask),
+                     trainer_vs_reference=abs_diff_stats(trainer_t, reference_t, mask))
+    return {"token_abs_diff": stats, "n_tokens": int(mask.sum()),
+            "by_position": {"bucket": config.position_bucket, "mean": [_finite(float(x)) for x in means],
+                            "tokens": [int(c) for c in counts]},
+            "pairs": pairs}
 
 
 def align(model_dir: str | Path, torch_dist_dir: str | Path, config: AlignConfig | None = None,
@@ -160,37 +185,24 @@ def align(model_dir: str | Path, torch_dist_dir: str | Path, config: AlignConfig
     reference_lp = _by_length_logprobs(lambda ids: reference(input_ids=ids).logits, seqs, cfg.vocab_size)
     t_score = time.perf_counter()
 
-    rollout_t, mask = _padded([r.logprobs for r in scored])
-    trainer_t, _ = _padded(trainer_lp)
-    reference_t, _ = _padded(reference_lp)
-    stats = abs_diff_stats(rollout_t, trainer_t, mask)
-    means, counts = by_position(rollout_t, trainer_t, mask, bucket=config.position_bucket, return_counts=True)
-
+    tokens = token_report([r.logprobs for r in scored], trainer_lp, config, reference=reference_lp)
     log(f"localising layer by layer in float32 against the {config.against}")
     theirs = trainer.model if config.against == "trainer" else reference
     loc = localise(ours_fp32, theirs.float(), [r.prompt_ids + r.response_ids for r in scored],
                    rel_tol=config.layer_rel_tol, router_tol=config.router_tol)
     t_loc = time.perf_counter()
 
-    failures = _gate(stats, loc.first_divergence, config)
+    failures = gate(tokens["token_abs_diff"], loc.first_divergence, config)
     return {
         "passed": not failures,
         "failures": failures,
-        "token_abs_diff": stats,
+        **tokens,
         "first_divergence": loc.first_divergence,
         "per_layer": loc.per_layer,
-        "thresholds": {"mean": config.mean_threshold, "p99": config.p99_threshold, "max": config.max_threshold,
-                       "layer_rel_tol": config.layer_rel_tol, "router_tol": config.router_tol,
-                       "fail_on_divergence": config.fail_on_divergence},
+        "thresholds": thresholds(config),
         "n_prompts": len(rollouts),
         "n_sequences": len(scored),
         "n_empty_responses": len(rollouts) - len(scored),
-        "n_tokens": int(mask.sum()),
-        "by_position": {"bucket": config.position_bucket, "mean": [_finite(float(x)) for x in means],
-                        "tokens": [int(c) for c in counts]},
-        "pairs": {"rollout_vs_trainer": stats,
-                  "rollout_vs_reference": abs_diff_stats(rollout_t, reference_t, mask),
-                  "trainer_vs_reference": abs_diff_stats(trainer_t, reference_t, mask)},
         "engines": {"rollout": f"ours (engines/rollout), HF checkpoint as stored, runtime {config.rollout_dtype}",
                     "trainer": f"transformers DeepseekV4ForCausalLM from torch_dist via megatron-core, "
                                f"{config.trainer_dtype} compute",

@@ -5,7 +5,7 @@ Actor GPU of pipeline stage s (holding `n_s` layers; stage 0 adds the embedding,
   parameters     2 B * P (BF16)          gradients  4 B * P (fp32 main grads; 2 B without fp32 accumulation)
   optimizer      12 B (fp32 master + Adam m + v) per sharded param: dense / (DP*CP) + experts / EDP with the
                  distributed optimizer (all of P without it); `optimizer_offload` of it lives in host RAM
-  activations    T = max_tokens_per_gpu tokens per micro-batch; 1F1B keeps in_flight = min(PP - s, micro-batches)
+  activations    T tokens per micro-batch (max_tokens_per_gpu packed; the longest sample / CP per-sample); 1F1B keeps in_flight = min(PP - s, micro-batches)
                  in flight. full recompute: in_flight * n_s * (T * hc_mult * H * 2 B, the mHC residual streams,
                  / TP with SP) + 2 x one layer's full activations (recompute + backward working set);
                  selective: in_flight * n_s * (full - attention core); none: in_flight * n_s * full.
@@ -21,8 +21,8 @@ x kv_bytes_per_token / engine_dp (see shape.py: the single shared KV head is rep
 per-request state = max_running_requests x (sliding windows + compressor tails) / engine_dp.
 
 Communication per optimizer step, bytes per GPU on the busiest stage (ring collectives move 2(g-1)/g of the
-buffer): micro-batches M = global_batch x (prompt + response) / (DP x T x CP), full-length samples (an upper
-bound). Passes: log-prob forward + training forward + full-recompute forward (if on) + backward (same volume).
+buffer): micro-batches M = global_batch x (prompt + response) / (DP x T x CP) packed, full-length samples (an
+upper bound), or global_batch / DP per-sample. Passes: log-prob forward + training forward + full-recompute forward (if on) + backward (same volume).
   tp_allreduce   2 per layer per pass of T x H x 2 B          ep_alltoall  dispatch + combine, T x top_k x H x 2 B
   pp_sendrecv    T x hc_mult x H x 2 B per pass (x2 on middle stages)  cp_allgather  T x head_dim x 2 B per layer
   dp_grad_sync / edp_grad_sync   reduce-scatter of grads + all-gather of BF16 params over DP*CP / EDP
@@ -56,15 +56,18 @@ def stage_params(inp: LayoutInput, stages: list[int]) -> list[tuple[float, float
 
 
 def micro_batches(inp: LayoutInput, dp: int) -> int:
-    """Packed micro-batches per DP rank per optimizer step, all samples at full length (an upper bound)."""
+    """Micro-batches per DP rank per optimizer step: packed with all samples at full length (an upper bound),
+    or one per sample."""
     t = inp.train
+    if t.micro_batching == "per-sample":
+        return max(1, math.ceil(t.global_batch / dp))
     return max(1, math.ceil(t.global_batch * t.sample_tokens / (dp * t.max_tokens_per_gpu * inp.parallel.cp)))
 
 
 def actor_memory(inp: LayoutInput, stages: list[int], dp: int, edp: int) -> list[StageMemory]:
     """Per-stage device memory of one actor GPU (module docstring for the formulas)."""
     m, p, t = inp.model, inp.parallel, inp.train
-    T, grad_bytes = t.max_tokens_per_gpu, 4 if t.fp32_grads else 2
+    T, grad_bytes = t.micro_batch_tokens(p.cp), 4 if t.fp32_grads else 2
     boundary = T * m.hc_mult * m.hidden_size * 2 / (p.tp if p.sp else 1)
     out, start = [], 0
     for s, ((dense, experts), n) in enumerate(zip(stage_params(inp, stages), stages)):
@@ -122,7 +125,7 @@ def _ring(group: int) -> float:
 def communication(inp: LayoutInput, stages: list[int], dp: int, edp: int) -> CommEstimate:
     """Bytes and seconds per optimizer step for one GPU of the busiest stage (module docstring)."""
     m, c, p, t = inp.model, inp.cluster, inp.parallel, inp.train
-    T, L, etp = t.max_tokens_per_gpu, max(stages), p.expert_tp
+    T, L, etp = t.micro_batch_tokens(p.cp), max(stages), p.expert_tp
     micro = micro_batches(inp, dp)
     passes = 2 + (1 if t.recompute == "full" else 0) + 1
     act = T * m.hidden_size * 2

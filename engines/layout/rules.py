@@ -10,7 +10,7 @@ Rejections (memory ones live in engines/layout/__init__.py):
   pp-layer-split  the stages cover every layer: layers % PP == 0 without first/last sizes, otherwise the middle
                   stages share the rest evenly (megatron-core's uneven-PP rule)
   batch-steps / batch-dp   rollout_batch * n_samples % steps == 0; the global batch % DP == 0
-  sample-fits     max_tokens_per_gpu * CP >= the longest sample (prompt + response), or packing fails
+  sample-fits     packed micro-batches: max_tokens_per_gpu * CP >= the longest sample (prompt + response)
   cluster-nodes   rollout nodes < nodes (0 = colocated)
   rollout-*       SGLang: rollout GPUs % engine GPUs, engine TP % EP and % DP (moe_tp = TP / EP), experts % EP,
                   heads % attention TP, context >= prompt + response, max_total_tokens >= one request
@@ -125,7 +125,7 @@ def check_rules(inp: LayoutInput) -> tuple[list[str], list[str], int, int, list[
     elif t.global_batch % dp:
         reasons.append(f"[batch-dp] the global batch of {t.global_batch} samples does not split over DP={dp}; fix: "
                        "a rollout batch x n_samples (per step) that DP divides, or a layout with another DP.")
-    if t.max_tokens_per_gpu * p.cp < t.sample_tokens:
+    if t.micro_batching == "packed" and t.max_tokens_per_gpu * p.cp < t.sample_tokens:
         reasons.append(f"[sample-fits] a full sample ({t.max_prompt_len} prompt + {t.max_response_len} response "
                        f"tokens) exceeds max_tokens_per_gpu x CP = {t.max_tokens_per_gpu * p.cp}; fix: raise "
                        "--max-tokens-per-gpu or --cp.")

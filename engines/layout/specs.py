@@ -7,6 +7,7 @@ how to fix it when a rule rejects it. GB means 1e9 bytes throughout.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,7 +95,12 @@ class TrainSpec:
     """Actor-side knobs that size memory and traffic."""
 
     max_tokens_per_gpu: int = 8192
-    """--max-tokens-per-gpu: tokens packed into one micro-batch per GPU (per CP rank)."""
+    """--max-tokens-per-gpu: tokens packed into one micro-batch per GPU (per CP rank) when `packed`."""
+    micro_batching: Literal["packed", "per-sample"] = "packed"
+    """How a DP rank's samples become micro-batches. packed: up to max_tokens_per_gpu tokens each (Megatron's
+    --use-dynamic-batch-size; our CPU trainer). per-sample: one sample each (Miles' DeepSeek-V4 training runs
+    --qkv-format bshd --micro-batch-size 1, which forbids dynamic batches, so --max-tokens-per-gpu does not size
+    its micro-batches: conformance A5). Cluster presets must say per-sample."""
     recompute: Literal["full", "selective", "none"] = "full"
     """Activation recompute: full = --recompute-granularity full --recompute-method uniform --recompute-num-layers 1."""
     optimizer_offload: float = 1.0
@@ -123,6 +129,10 @@ class TrainSpec:
     @property
     def sample_tokens(self) -> int:
         return self.max_prompt_len + self.max_response_len
+
+    def micro_batch_tokens(self, cp: int) -> int:
+        """Tokens one GPU holds per micro-batch: the packing budget, or the longest sample split over CP."""
+        return self.max_tokens_per_gpu if self.micro_batching == "packed" else math.ceil(self.sample_tokens / cp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 A profile is data: accelerator and memory, the collective library and its environment (the seed's RCCL
 transport and PyTorch flight-recorder settings for MI355X), the runtime backends per model component, the
 FP8 flavour, the container and the Miles launcher. Site-specific values (interface names, IB HCAs, IPs) are
-not in the profile; launch plans take them from a `engines.launch.Site`.
+not in the profile; launch plans and the Miles job take them from an `engines.site.Site`.
 
     from engines.profiles import get_profile
     get_profile("mi355x").hbm_gb   # 288.0
@@ -56,6 +56,9 @@ class HardwareProfile:
     """Variables whose values depend on the site (network interfaces, HCAs); launch plans fill them from a Site."""
     launcher_env: dict[str, str] = field(default_factory=dict)
     """The seed's `--extra-env-vars`: flight recorder (TORCH_NCCL_*/TORCH_FR_*) and transport tuning, in order."""
+    miles_env: dict[str, str] = field(default_factory=dict)
+    """What Miles' own launcher for this hardware puts into every rank's runtime env (SGLang's DeepSeek-V4
+    kernel switches, NCCL_NVLS_ENABLE by NVLink presence); the Miles job carries it unchanged."""
     backends: dict[str, Backend] = field(default_factory=dict)
     """Runtime path per model component (mHC, hybrid attention, MoE, online weight update)."""
     docker_image: str | None = None
@@ -66,6 +69,8 @@ class HardwareProfile:
     """Miles launcher script (relative to the Miles checkout) for DeepSeek-V4 on this hardware."""
     workspace: str = "/workspace/miles"
     """Miles checkout inside the container; logs and flight-recorder dumps go here."""
+    megatron_workspace: str = "/root/Megatron-LM"
+    """Megatron-LM checkout inside the container (Miles' launchers' --megatron-path default); on PYTHONPATH."""
     notes: str = ""
     """What was validated on this profile and what was not."""
 

@@ -24,6 +24,14 @@ H200 = HardwareProfile(
     comm_env={},
     site_env=("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_HCA"),
     launcher_env=flight_recorder_env("/root/shared_data"),
+    miles_env={  # Miles 31f1ca961 scripts/run_deepseek_v4.py `train` (CUDA), Flash
+        "NCCL_NVLS_ENABLE": "1",  # HGX H200 has NVLink (the launcher probes nvidia-smi topo)
+        "SGLANG_SKIP_CHECKPOINT_LOAD_CHECK": "1",
+        "SGLANG_DSV4_FP4_EXPERTS": "0",
+        "SGLANG_HEALTH_CHECK_TIMEOUT": "120",
+        "SGLANG_DG_CACHE_DIR_PER_PROCESS": "1",
+        "SGLANG_OPT_FP8_WO_A_GEMM": "0",
+    },
     backends={
         "hybrid_attention": Backend(rollout="SGLang dsv4 attention backend, CUDA branch (FlashMLA / TRT-LLM kernels)",
                                     training="Miles DeepSeek-V4 attention (TileLang sparse-MLA and indexer kernels)",
@@ -38,5 +46,6 @@ H200 = HardwareProfile(
     python="python3",
     miles_launcher="scripts/run_deepseek_v4.py",
     workspace="/root/miles",
+    megatron_workspace="/root/Megatron-LM",
     notes="Miles' recipe: TP8 PP8 EP8 on 64 GPUs (legal only through MoE parallel folding); not run by us.",
 )

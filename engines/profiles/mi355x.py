@@ -28,6 +28,18 @@ MI355X = HardwareProfile(
         "GPU_MAX_HW_QUEUES": "2",
         "NCCL_P2P_NET_CHUNKSIZE": "262144",
     },
+    miles_env={  # Miles 31f1ca961 scripts/amd/run_deepseek_v4.py `train` (ROCm / AITER / TileLang switches)
+        "NCCL_NVLS_ENABLE": "0",  # no NVLink SHARP on Infinity Fabric
+        "SGLANG_SKIP_CHECKPOINT_LOAD_CHECK": "1",
+        "SGLANG_DSV4_FP4_EXPERTS": "0",  # the FP8-expert repackage
+        "SGLANG_HACK_FLASHMLA_BACKEND": "unified_kv_triton",
+        "SGLANG_OPT_USE_COMPRESSOR_V2": "true",  # unified_kv lives in compressor_v2 only
+        "SGLANG_OPT_USE_TILELANG_INDEXER": "true",
+        "SGLANG_OPT_USE_JIT_NORM": "true",
+        "SGLANG_OPT_USE_FUSED_COMPRESS": "true",
+        "SGLANG_HEALTH_CHECK_TIMEOUT": "120",
+        "AITER_BF16_FP8_MOE_BOUND": "0",
+    },
     backends={
         "mhc": Backend(rollout="AITER mHC pre/post",
                        training="TileKernels pre; explicit PyTorch/HIP post-mix",

@@ -18,7 +18,9 @@ native kernels (hf_model.use_native_mhc): the same results and gradients, bit fo
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,11 @@ class TrainerConfig:
     rounds away, so rollout lags the trainer."""
     rollout_expert_dtype: str = "fp8"
     """Routed-expert format of the rollout weights the quantization-aware forward reproduces."""
+    threads: int | None = None
+    """Intra-op CPU threads while the trainer computes (set for each step and scoring call, restored after, so a
+    rollout engine in the same process keeps its own setting). None: every core (os.cpu_count()). Ray gives an
+    actor that reserves one CPU OMP_NUM_THREADS=1, which left all but one core idle while `v4rl train`'s trainer
+    actor worked (rollout and training take turns, so the cores are free); set a number to share the machine."""
     share_prompt_prefix: bool = True
     """Run each distinct prompt once per micro-batch and continue its samples from the prompt's cache (same
     logprobs and gradients as full sequences, to float rounding). Off, or with `recompute` (transformers turns
@@ -57,6 +64,8 @@ class TrainerConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.max_tokens_per_gpu < 1:
             raise ValueError(f"max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (every core), got {self.threads}")
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"compute_dtype must be 'bfloat16' or 'float32', got {self.compute_dtype!r}")
 
@@ -173,6 +182,16 @@ class Trainer:
         """fp32 master weights under native names (what an export quantizes for the rollout engine)."""
         return native_from_reference(self.model)
 
+    @contextmanager
+    def _compute_threads(self):
+        """torch's intra-op threads at config.threads (every core by default) for the duration."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.config.threads or os.cpu_count() or 1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
     def _autocast(self):
         enabled = self.config.compute_dtype == "bfloat16"
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
@@ -241,14 +260,19 @@ class Trainer:
     def logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per-token logprobs of each (prompt, response) under the current weights."""
         out: list[list[float]] = [[] for _ in seqs]
-        for idx, forward in self._micro_batches(seqs):
-            lp, _, mask = forward()
-            for i, row, m in zip(idx, lp, mask):
-                out[i] = row[m].tolist()
+        with self._compute_threads():
+            for idx, forward in self._micro_batches(seqs):
+                lp, _, mask = forward()
+                for i, row, m in zip(idx, lp, mask):
+                    out[i] = row[m].tolist()
         return out
 
     def grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
         """One optimizer step of GRPO (+ TIS) on samples whose `advantage` is already set (rl.grpo.GRPOConfig)."""
+        with self._compute_threads():
+            return self._grpo_step(samples, grpo)
+
+    def _grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
         from rl.grpo import policy_loss, tis_metrics, tis_weights
 
         total = sum(len(s.response_ids) for s in samples)

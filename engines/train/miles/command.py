@@ -1,20 +1,43 @@
-"""The Miles job v4rl submits: where it reads and writes (`MilesJob`) and its command lines.
+"""The Miles job v4rl builds and submits: where it reads and writes (`MilesJob`) and what runs (`MilesCommand`).
 
-`launcher_argv` is the seed's `scripts/amd/run_deepseek_v4.py train` command; `train_args` the Miles `train.py`
-arguments the preset's settings map to; `sglang_server_argv` what one rollout engine amounts to.
+v4rl owns the whole job: from the run preset, the planner's cluster, the checkpoint's config.json and the
+hardware profile it builds the complete `train.py` argv (model flags: model_args.py; the rest: train_args.py)
+and the runtime environment every rank gets (env.py), for the one supported Miles (PIN below). It is submitted
+to the user's existing Ray cluster by submit.py; Miles' own launchers are not involved (the seed's launcher
+command for the unmerged PR-head stays reproducible in pr_launcher.py).
+
+    job = MilesJob(run_id="r1", hf_checkpoint="/data/V4-Flash-FP8", ref_load="/data/V4-Flash_torch_dist",
+                   save_dir="/ckpt/r1", miles_dir="/workspace/miles")
+    cmd = build_command(SEED_RUN, job, site=Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1"))
+    cmd.argv[:2], cmd.env["MASTER_ADDR"]      # ['--disable-bias-linear', '--num-layers'], '10.0.0.1'
 """
 
 from __future__ import annotations
 
-import shlex
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engines.engine_sources import MEGATRON, MILES
+from engines.layout import ClusterSpec
+from engines.profiles import HardwareProfile, get_profile
+from engines.run_presets import layout_input
+from engines.run_spec import RunPreset
+from engines.site import Site
+from engines.train.miles import train_args as T
+from engines.train.miles.env import job_env
+from engines.train.miles.model_args import model_args, read_config
 
 if TYPE_CHECKING:
-    from engines.launch import RunPreset
-    from engines.profiles import HardwareProfile
     from engines.train.miles.checkpoints import Resume
+
+MILES_PIN = {"miles": MILES.short, "megatron_lm": MEGATRON.short, "megatron_lm_branch": "miles-main"}
+"""The one Miles v4rl's job is built and checked for (engines/engine_sources.py holds the pins): radixark/miles
+main at 31f1ca961 with radixark/Megatron-LM miles-main at 2e64d788b (what Miles' Dockerfiles clone).
+`v4rl plan --miles-dir DIR` checks a checkout."""
+ENTRYPOINT = "train.py"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +45,7 @@ class MilesJob:
     """Where one Miles run reads and writes. Keep `save_dir` across retries: that is what makes them resume."""
 
     run_id: str
-    """--run-id (also the log file name); a retry may use a new one, resume follows save_dir."""
+    """Names the log file and the W&B group; a retry may use a new one, resume follows save_dir."""
     hf_checkpoint: str
     """FP8 HF directory SGLang serves and Miles reads config/tokenizer from (--hf-checkpoint)."""
     ref_load: str
@@ -30,125 +53,120 @@ class MilesJob:
     save_dir: str
     """Miles --save and --load: iter_XXXXXXX/ checkpoints + latest_checkpointed_iteration.txt."""
     miles_dir: str = "/workspace/miles"
-    """The Miles checkout the launcher runs from (cwd)."""
+    """The Miles checkout on the cluster nodes (train.py's directory, first on PYTHONPATH)."""
+    megatron_dir: str = "/root/Megatron-LM"
+    """The Megatron-LM (miles-main) checkout on the cluster nodes (second on PYTHONPATH)."""
+    data_dir: str = "/root/datasets"
+    """Where the preset's relative dataset paths live on the cluster (Miles' launcher --data-dir default)."""
     log_dir: str | None = None
     """Where <run_id>.log goes; None = miles_dir (the seed's /workspace/miles/${RUN_ID}.log)."""
+    wandb_project: str | None = None
+    """--use-wandb --wandb-project; None leaves W&B off (metrics still reach v4rl through the log)."""
     wandb_team: str | None = None
-    """--wandb-team inside --extra-args; None leaves W&B to the launcher's defaults."""
+    """--wandb-team (with wandb_project)."""
     extra_args: tuple[str, ...] = ()
-    """More Miles/Megatron/SGLang flags appended to --extra-args (argparse: the last occurrence wins)."""
+    """More Miles/Megatron/SGLang flags appended last (argparse: the last occurrence wins)."""
     extra_env: dict[str, str] = field(default_factory=dict)
-    """More KEY=VALUE pairs for --extra-env-vars."""
+    """More variables for every rank's runtime env (win over the profile's)."""
 
     @property
     def log_path(self) -> str:
         return f"{self.log_dir or self.miles_dir}/{self.run_id}.log"
 
     @classmethod
-    def placeholder(cls, preset: "RunPreset", profile: "HardwareProfile") -> "MilesJob":
+    def placeholder(cls, preset: RunPreset, profile: HardwareProfile) -> "MilesJob":
         """A job with ${VAR} paths, for showing a launch plan before the paths exist."""
         return cls(run_id=default_run_id(preset), hf_checkpoint="${HF_CHECKPOINT}", ref_load="${REF_LOAD}",
-                   save_dir="${SAVE_DIR}", miles_dir=profile.workspace)
+                   save_dir="${SAVE_DIR}", miles_dir=profile.workspace, megatron_dir=profile.megatron_workspace)
 
 
-def default_run_id(preset: "RunPreset", now: datetime | None = None) -> str:
+def default_run_id(preset: RunPreset, now: datetime | None = None) -> str:
     """The seed's run id pattern: dsv4-fp8-4node-2roll-tp1-pp4-ep4-YYYYmmdd_HHMMSS."""
     p = preset.parallel
     stamp = (now or datetime.now()).strftime("%Y%m%d_%H%M%S")
     return f"dsv4-fp8-{preset.nodes}node-{preset.rollout_nodes}roll-tp{p.tp}-pp{p.pp}-ep{p.ep}-{stamp}"
 
 
-# ------------------------------------------------------------------------------------------ command lines
-def megatron_parallel_args(preset: "RunPreset") -> list[str]:
-    """The Megatron parallel flags of the actor (what every trainer rank is started with)."""
-    p = preset.parallel
-    args = ["--tensor-model-parallel-size", str(p.tp)] + (["--sequence-parallel"] if p.sp else [])
-    args += ["--pipeline-model-parallel-size", str(p.pp)]
-    if p.first_stage_layers is not None:
-        args += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
-    if p.last_stage_layers is not None:
-        args += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
-    args += ["--context-parallel-size", str(p.cp)] + (["--allgather-cp"] if p.cp > 1 else [])
-    return args + ["--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", str(p.expert_tp)]
+@dataclass(frozen=True)
+class MilesCommand:
+    """One built Miles job: `python3 <miles_dir>/train.py <argv>` with `env` in every rank's Ray runtime env."""
+
+    argv: list[str]
+    """Every token after train.py."""
+    env: dict[str, str]
+    """The runtime env vars (Ray delivers them to the driver, every Megatron rank and every SGLang engine)."""
+    miles_dir: str
+    entrypoint: str = ENTRYPOINT
+
+    @property
+    def script(self) -> str:
+        return f"{self.miles_dir}/{self.entrypoint}"
+
+    def flag_values(self) -> dict[str, list[str]]:
+        """flag -> its values as given (a bare flag -> []); a repeated flag keeps its last occurrence."""
+        return parse_flags(self.argv)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entrypoint": self.entrypoint, "script": self.script, "argv": list(self.argv), "env": dict(self.env),
+                "pin": dict(MILES_PIN)}
 
 
-def _launcher_extra_args(preset: "RunPreset", job: MilesJob, resume: "Resume | None") -> list[str]:
-    extra = (["--wandb-team", job.wandb_team] if job.wandb_team else []) + (["--use-tis"] if preset.use_tis else [])
-    extra += ["--ref-load", job.ref_load, "--load", job.save_dir, "--save", job.save_dir]
-    if preset.enable_eval:
-        extra += ["--eval-interval", str(preset.eval_interval),
-                  "--n-samples-per-eval-prompt", str(preset.n_samples_per_eval_prompt)]
-    return extra + list(resume.extra_args if resume else ()) + list(job.extra_args)
+def parse_flags(argv: list[str]) -> dict[str, list[str]]:
+    """`--flag v1 v2 --bare` -> {"--flag": ["v1", "v2"], "--bare": []}; values are the tokens up to the next
+    flag (negative numbers are values). The last occurrence of a repeated flag wins, as in argparse."""
+    out: dict[str, list[str]] = {}
+    flag: str | None = None
+    for token in argv:
+        if token.startswith("--") and len(token) > 2 and not _is_number(token):
+            flag = token
+            out[flag] = []
+        elif flag is None:
+            raise ValueError(f"argv starts with a value {token!r}, not a --flag")
+        else:
+            out[flag].append(token)
+    return out
 
 
-def launcher_argv(preset: "RunPreset", profile: "HardwareProfile", job: MilesJob,
-                  resume: "Resume | None" = None) -> list[str]:
-    """The seed's launch command for this preset: `python3 <launcher> train --run-id ... --extra-env-vars ...`.
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
-    Flags in the seed's order; additions: --hf-checkpoint, and inside --extra-args our --ref-load/--load/--save
-    and the eval cadence (argparse keeps the last occurrence, so they override the launcher's defaults).
+
+def build_command(preset: RunPreset, job: MilesJob, *, site: Site | None = None, cluster: ClusterSpec | None = None,
+                  profile: HardwareProfile | None = None, resume: "Resume | None" = None,
+                  hf_config: dict[str, Any] | None = None) -> MilesCommand:
+    """The complete Miles job for this preset (sections in Miles' launcher's order, then resume and extra flags).
+
+    The model flags come from `hf_config`, else `<job.hf_checkpoint>/config.json` when that directory is here,
+    else the preset's own config (a launch plan before the checkpoint exists). `cluster` defaults to the
+    preset's on its profile (give the planner's when overrides changed it).
     """
-    c, t, r = preset, preset.train, preset.rollout
-    argv = [profile.python, profile.miles_launcher, "train", "--run-id", job.run_id, "--mode", c.mode]
-    argv += ["--enable-eval"] if c.enable_eval else []
-    argv += ["--num-nodes", str(c.nodes), "--actor-num-nodes", str(_actor_nodes(c)),
-             "--rollout-num-nodes", str(c.rollout_nodes)]
-    if profile.gpus_per_node != 8:
-        argv += ["--num-gpus-per-node", str(profile.gpus_per_node)]
-    argv += ["--num-rollout", str(c.num_rollout), "--num-steps-per-rollout", str(t.num_steps_per_rollout),
-             "--rollout-batch-size", str(t.rollout_batch_size), "--n-samples-per-prompt", str(t.n_samples_per_prompt),
-             "--context-length", str(r.context_length), "--rollout-max-response-len", str(t.max_response_len),
-             "--max-tokens-per-gpu", str(t.max_tokens_per_gpu),
-             "--sglang-max-running-requests", str(r.max_running_requests),
-             "--sglang-max-total-tokens", str(r.max_total_tokens)]
-    argv += [a for a in megatron_parallel_args(preset) if a not in ("--sequence-parallel", "--allgather-cp")]
-    argv += ["--hf-checkpoint", job.hf_checkpoint]
-    argv += ["--extra-args", shlex.join(_launcher_extra_args(preset, job, resume))]
-    env = {**profile.launcher_env, **job.extra_env}
-    return argv + ["--extra-env-vars", " ".join(f"{k}={v}" for k, v in env.items())]
+    profile = profile or get_profile(preset.profile)
+    cluster = cluster or layout_input(preset, profile=profile).cluster
+    config, source = _model_config(preset, job, hf_config)
+    argv = model_args(config, source=source)
+    argv += T.checkpoint_args(preset, job) + T.rollout_args(preset, job) + T.optimizer_args(preset)
+    argv += T.grpo_args(preset) + T.wandb_args(job) + T.perf_args(preset) + T.eval_args(preset, job)
+    argv += T.sglang_args(preset) + T.misc_args(preset, cluster, profile)
+    argv += list(resume.extra_args if resume else ()) + list(job.extra_args)
+    env = job_env(preset, profile, site or Site(), job)
+    return MilesCommand(argv=argv, env=env, miles_dir=job.miles_dir)
 
 
-def _actor_nodes(preset: "RunPreset") -> int:
-    return preset.nodes - preset.rollout_nodes if preset.rollout_nodes else preset.nodes
+def _model_config(preset: RunPreset, job: MilesJob, given: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+    if given is not None:
+        return given, "the given config.json"
+    if not job.hf_checkpoint.startswith("${") and Path(job.hf_checkpoint).is_dir():
+        return read_config(job.hf_checkpoint), f"{job.hf_checkpoint}/config.json"
+    if preset.hf_config is None:
+        raise ValueError(f"preset {preset.name!r} has no model config.json and {job.hf_checkpoint} is not a "
+                         "directory here; point hf_checkpoint at the FP8 HF checkpoint")
+    return preset.hf_config(), f"preset {preset.name}'s config.json"
 
 
-def train_args(preset: "RunPreset", profile: "HardwareProfile", job: MilesJob) -> list[str]:
-    """The Miles `train.py` arguments the preset's settings map to (reference §1.2), for a launcher-free run."""
-    c, t, r = preset, preset.train, preset.rollout
-    args = ["--actor-num-nodes", str(_actor_nodes(c)), "--actor-num-gpus-per-node", str(profile.gpus_per_node),
-            "--num-gpus-per-node", str(profile.gpus_per_node)]
-    args += (["--colocate"] if not c.rollout_nodes
-             else ["--rollout-num-gpus", str(c.rollout_nodes * profile.gpus_per_node)])
-    args += ["--rollout-num-gpus-per-engine", str(r.engine_tp), "--sglang-tp-size", str(r.engine_tp),
-             "--sglang-dp-size", str(r.engine_dp), "--sglang-ep-size", str(r.engine_ep),
-             "--sglang-max-running-requests", str(r.max_running_requests),
-             "--sglang-max-total-tokens", str(r.max_total_tokens), "--sglang-context-length", str(r.context_length),
-             "--sglang-mem-fraction-static", str(r.mem_fraction_static),
-             "--num-rollout", str(c.num_rollout), "--rollout-batch-size", str(t.rollout_batch_size),
-             "--n-samples-per-prompt", str(t.n_samples_per_prompt),
-             "--num-steps-per-rollout", str(t.num_steps_per_rollout),
-             "--rollout-max-response-len", str(t.max_response_len),
-             "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(t.max_tokens_per_gpu)]
-    args += megatron_parallel_args(preset)
-    if t.recompute == "full":
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    elif t.recompute == "selective":
-        args += ["--recompute-granularity", "selective"]
-    if t.optimizer_offload > 0:
-        args += ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
-        args += ["--optimizer-offload-fraction", str(t.optimizer_offload)] if t.optimizer_offload < 1 else []
-    args += ["--use-tis"] if c.use_tis else []
-    if c.enable_eval:
-        args += ["--eval-interval", str(c.eval_interval), "--n-samples-per-eval-prompt",
-                 str(c.n_samples_per_eval_prompt)]
-    return args + ["--hf-checkpoint", job.hf_checkpoint, "--ref-load", job.ref_load, "--load", job.save_dir,
-                   "--save", job.save_dir, "--model-name", "deepseekv4"]
-
-
-def sglang_server_argv(preset: "RunPreset", job: MilesJob, *, base_gpu_id: int = 0) -> list[str]:
-    """What one rollout engine amounts to (Miles starts it in-process as a Ray actor; shown for reproduction)."""
-    from engines.rollout.launcher import SGLangServerSpec, build_launch_command
-
-    spec = SGLangServerSpec.from_preset(job.hf_checkpoint, preset, python="python3",
-                                        extra_args=("--base-gpu-id", str(base_gpu_id)))
-    return build_launch_command(spec)
+def with_paths(job: MilesJob, **paths: str | None) -> MilesJob:
+    """`job` with the given non-empty fields replaced (CLI flags that may be unset)."""
+    return dataclasses.replace(job, **{k: v for k, v in paths.items() if v})

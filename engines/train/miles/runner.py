@@ -1,10 +1,10 @@
-"""Running a Miles job: stream its log, enforce timeouts, stop the Ray job it submitted, check the resume."""
+"""Running a Miles job: prepare it (plan, site, resume, build), submit it with `ray job submit`, stream its log,
+enforce timeouts, stop the Ray job it submitted, check the resume took."""
 
 from __future__ import annotations
 
 import os
 import queue
-import re
 import signal
 import subprocess
 import threading
@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engines.site import Site
 from engines.train.miles.checkpoints import prepare_resume
-from engines.train.miles.command import MilesJob, launcher_argv
-from engines.train.miles.metrics import MetricRecord, parse_metric_line
+from engines.train.miles.command import MilesCommand, MilesJob, build_command
+from engines.train.miles.metrics import RAY_JOB_SUBMITTED, MetricRecord, parse_metric_line
+from engines.train.miles.submit import submit_argv, submit_env
 
 if TYPE_CHECKING:
-    from engines.launch import Site
-
-_RAY_JOB = re.compile(r"Job '(?P<id>[A-Za-z0-9_\-]+)' submitted successfully")
+    from engines.train.miles.checkpoints import Resume
 
 
 @dataclass
@@ -120,7 +120,7 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
                 outcome.tail = (outcome.tail + [line])[-200:]
                 if on_line:
                     on_line(line)
-                job = _RAY_JOB.search(line)
+                job = RAY_JOB_SUBMITTED.search(line)
                 if job:
                     outcome.ray_job_id = job.group("id")
                 record = parse_metric_line(line)
@@ -152,18 +152,44 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
     return outcome
 
 
-def run_job(preset_name: str, job: MilesJob, *, site: "Site | None" = None, overrides: Mapping[str, Any] | None = None,
-            **run_kwargs: Any) -> MilesOutcome:
-    """The cluster training task body: preflight, resume, launch on the existing Ray cluster, stream, check."""
-    from engines.launch import Site, preflight_plan, resolve
-    from engines.profiles import get_profile
+@dataclass(frozen=True)
+class PreparedJob:
+    """What run_job submits: the built command, the `ray job submit` argv and the resume it continues."""
 
-    preflight_plan(preset_name, overrides)  # raises InfeasibleLayout before anything is launched
-    preset, _ = resolve(preset_name, overrides)
+    command: MilesCommand
+    submit_argv: list[str]
+    submit_env: dict[str, str]
+    resume: "Resume"
+
+
+def prepare_job(preset_name: str, job: MilesJob, *, site: Site, overrides: Mapping[str, Any] | None = None,
+                hf_config: Mapping[str, Any] | None = None) -> PreparedJob:
+    """Plan the layout, require the site, pick the resume point and build the job; nothing is submitted.
+
+    Raises InfeasibleLayout (a layout Miles cannot run), SiteError (RAY_ADDRESS, MASTER_ADDR or an interface
+    unset, naming the deployment parameter), ModelConfigError (config.json) before anything leaves this host.
+    """
+    from engines.layout import InfeasibleLayout, plan_layout
+    from engines.profiles import get_profile
+    from engines.run_presets import resolve
+
+    preset, inp = resolve(preset_name, overrides)
+    plan = plan_layout(inp)
+    if not plan.feasible:
+        raise InfeasibleLayout(plan)
     profile = get_profile(preset.profile)
+    site.require(profile)
     Path(job.save_dir).mkdir(parents=True, exist_ok=True)
     resume = prepare_resume(job.save_dir)
-    # unset site values render as ${VAR}: leave those to the inherited environment
-    env = {k: v for k, v in (site or Site()).env(profile).items() if not v.startswith("${")}
-    return run_miles(launcher_argv(preset, profile, job, resume), log_path=job.log_path, env=env, cwd=job.miles_dir,
-                     expect_start_rollout=resume.start_rollout_id or None, **run_kwargs)
+    command = build_command(preset, job, site=site, cluster=inp.cluster, profile=profile, resume=resume,
+                            hf_config=dict(hf_config) if hf_config is not None else None)
+    return PreparedJob(command, submit_argv(command, site), submit_env(site), resume)
+
+
+def run_job(preset_name: str, job: MilesJob, *, site: Site, overrides: Mapping[str, Any] | None = None,
+            prepared: PreparedJob | None = None, **run_kwargs: Any) -> MilesOutcome:
+    """The cluster training task body: prepare (plan, site, resume, build), submit to the existing Ray cluster,
+    stream the log, check the resume took. `prepared` reuses a job the preflight already built and checked."""
+    prepared = prepared or prepare_job(preset_name, job, site=site, overrides=overrides)
+    return run_miles(prepared.submit_argv, log_path=job.log_path, env=prepared.submit_env,
+                     expect_start_rollout=prepared.resume.start_rollout_id or None, **run_kwargs)

@@ -1,0 +1,298 @@
+"""`v4rl bench e2e --json OUT [--steps N]`: `v4rl train` against TRL's GRPOTrainer, end to end, in one run.
+
+Both sides start from the same base (tests/assets/tiny-base), train on the same prompts and labels in the same
+order (v4rl's step schedule over the synthetic task), with the same prompts x samples per step, max new tokens,
+temperature, constant AdamW learning rate and betas, gradient clip, clip range, token-mean loss and no KL term,
+on CPU (bench/e2e_settings.py; what differs and why: bench/e2e_trl.py DIFFERENCES, also in the JSON).
+
+  v4rl   engines.train.run.run_training, exactly what `v4rl train` runs: rollout server and trainer as Ray
+         actors, rollout over HTTP, FP8 weight sync every step; in-run evaluation off.
+  TRL    trl.GRPOTrainer in a child process (python -m bench.e2e_trl): transformers `generate` for rollouts, one
+         optimizer step per GRPO step.
+
+The sides alternate step by step (v4rl step k, TRL step k, v4rl step k+1, ...), each idle while the other
+works, so a shared machine's load hits both alike; each side times its own step (v4rl: perf/step_time =
+rollout + train + weight sync; TRL: on_step_begin to on_step_end = generation + reward + train + AdamW).
+seconds_per_step is each side's median, speedup the median over steps of TRL's step time over v4rl's.
+Both sides' weights are saved at step 0, every eval_interval steps and the last step, and all are evaluated
+afterwards by the same evaluator (bench/e2e_snapshots.py: v4rl's held-out evaluation, 200 problems x 8
+samples); pass@1 / pass@8 are plotted against each side's cumulative training seconds (start-up and
+evaluation excluded) in OUT's folder as <OUT stem>.png.
+
+    v4rl bench e2e --json runs/bench/e2e.json            # default 20 steps
+    v4rl bench e2e --json runs/bench/e2e.json --steps 50
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# libgomp's default spin-wait makes a torch process on a loaded CPU machine ~10x slower; the TRL child and
+# the Ray actors inherit the setting. It only takes effect if torch is not imported yet.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from bench import load_average, machine_info  # noqa: E402
+from bench.e2e_settings import E2ESettings, v4rl_config  # noqa: E402
+
+SPEED_GOAL = 3.0
+"""v4rl's steps per second over TRL's."""
+NOISE_SIGMAS = 2.0
+"""Learning counts as no worse while v4rl's pass@1 is at most this many standard errors of the difference below
+TRL's at every evaluated step after 0."""
+STEP_TIMEOUT_S = 3600.0
+
+
+class TRLSideFailed(RuntimeError):
+    """The TRL child process failed; the message holds its traceback."""
+
+
+def main(json_out: Path, *, steps: int | None = None, settings: E2ESettings | None = None,
+         work_dir: Path | None = None) -> dict[str, Any]:
+    """Run both sides and write the JSON and the plot; `work_dir` keeps the runs and weight snapshots there
+    (default: a temporary directory, removed at the end)."""
+    from bench.e2e_trl import require_trl
+
+    trl_version = require_trl()
+    settings = settings or E2ESettings()
+    if steps is not None:
+        settings = E2ESettings(**{**settings.to_dict(), "steps": steps})
+    json_out = Path(json_out)
+    if work_dir and Path(work_dir).exists() and any(Path(work_dir).iterdir()):
+        raise ValueError(f"work_dir {work_dir} is not empty; `v4rl train` would resume the run found there. "
+                         "Pass an empty or new directory")
+    machine = machine_info()
+    with tempfile.TemporaryDirectory(prefix="v4rl-bench-e2e-") as tmp:
+        work = Path(work_dir) if work_dir else Path(tmp)
+        with TRLSide(settings, work / "trl") as trl:
+            v4rl = _run_v4rl(settings, work / "v4rl", trl)
+            trl_log = trl.finish()
+        from bench.e2e_snapshots import cross_format_evals, evaluate_snapshots
+
+        evals = evaluate_snapshots(settings, {"v4rl": v4rl["snapshots"], "trl": trl.snapshots})
+        cross = cross_format_evals(settings, work / "v4rl", trl.snapshots[settings.steps], work / "cross-format")
+    machine["load_avg_1m_at_end"] = load_average()
+    result = _result(settings, machine, v4rl, trl, trl_log, evals, trl_version)
+    result["cross_format_last_step"] = cross
+    from bench.e2e_plot import plot_pass_at_k_vs_seconds
+
+    result["plot"] = str(plot_pass_at_k_vs_seconds(result, json_out.with_suffix(".png")))
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    partial = json_out.with_name(f".{json_out.name}.partial")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(json_out)
+    _print_summary(result, json_out)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- the TRL side
+class TRLSide:
+    """TRL's trainer in a child process (`python -m bench.e2e_trl`) that takes one GRPO step each time `take_step`
+    hands it the turn; the two talk over a socket pair (no port)."""
+
+    def __init__(self, settings: E2ESettings, out_dir: Path) -> None:
+        self.settings, self.out_dir = settings, Path(out_dir)
+        self.step_s: list[float] = []
+        self.phases: list[dict[str, float]] = []
+        self.setup_s = 0.0
+
+    def __enter__(self) -> "TRLSide":
+        from multiprocessing.connection import Connection
+
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.e2e_trl", "--fd", str(theirs.fileno()), "--out", str(self.out_dir),
+             "--settings", json.dumps(self.settings.to_dict())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        try:
+            self.setup_s = self._receive("ready")[1]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def take_step(self, step: int) -> None:
+        self.conn.send("go")
+        _, done, seconds, phases = self._receive("step")
+        if done != step:
+            raise TRLSideFailed(f"TRL reported step {done} when the bench expected step {step}")
+        self.step_s.append(seconds)
+        self.phases.append(phases)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """TRL's log history once its last step is done (the child then exits)."""
+        log = self._receive("done")[1]
+        self.process.wait(timeout=120)
+        return log
+
+    @property
+    def snapshots(self) -> dict[int, Path]:
+        from bench.e2e_snapshots import snapshot_dir
+
+        return {step: snapshot_dir(self.out_dir / "snapshots" / "trl", step) for step in self.settings.eval_steps()}
+
+    def _receive(self, kind: str) -> tuple:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        try:
+            while not self.conn.poll(1.0):
+                if self.process.poll() is not None:
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    raise TRLSideFailed(f"the TRL side (pid {self.process.pid}) sent no {kind!r} within "
+                                        f"{STEP_TIMEOUT_S:.0f}s")
+            message = self.conn.recv()
+        except EOFError:
+            raise TRLSideFailed(f"the TRL side (pid {self.process.pid}) exited with code {self.process.wait(30)} "
+                                f"while the bench waited for {kind!r}; its output is above") from None
+        if message[0] == "error":
+            raise TRLSideFailed(f"the TRL side failed:\n{message[1]}")
+        if message[0] != kind:
+            raise TRLSideFailed(f"the TRL side sent {message[0]!r} when the bench expected {kind!r}")
+        return message
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()  # this bench's own child, by its pid
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------- the v4rl side
+def _run_v4rl(settings: E2ESettings, run_dir: Path, trl: TRLSide) -> dict[str, Any]:
+    """`v4rl train` with the shared settings; after each of its steps the TRL side takes the same step."""
+    from bench.e2e_snapshots import copy_snapshot, save_rollout_start, snapshot_dir
+    from engines.train.run import run_training
+
+    snapshots_root = run_dir.parent / "snapshots" / "v4rl"
+    save_rollout_start(snapshots_root, settings.base)
+    wanted = set(settings.eval_steps())
+    rows: list[dict[str, float]] = []
+    turn = {"since": time.perf_counter()}
+
+    def after_step(step: int, metrics: dict) -> None:
+        rows.append({"step": step, "wall_s": time.perf_counter() - turn["since"], "load_1m": load_average(), **metrics})
+        if step in wanted:
+            copy_snapshot(run_dir / "weights" / "current", snapshots_root, step)
+        trl.take_step(step)
+        turn["since"] = time.perf_counter()
+
+    run_training(run_dir, v4rl_config(settings), on_step=after_step, log=lambda line: print(f"[v4rl] {line}"))
+    # the first turn began when run_training was called: Ray, the actors and the rollout server start in it
+    startup_s = rows[0]["wall_s"] - rows[0]["perf/step_time"]
+    return {"rows": rows, "startup_s": startup_s,
+            "snapshots": {step: snapshot_dir(snapshots_root, step) for step in sorted(wanted)}}
+
+
+# ---------------------------------------------------------------------------------------------- results
+def _result(settings: E2ESettings, machine: dict, v4rl: dict, trl: TRLSide, trl_log: list[dict],
+            evals: dict[str, list[dict]], trl_version: str) -> dict[str, Any]:
+    from bench.e2e_trl import DIFFERENCES
+
+    rows = v4rl["rows"]
+    ours_s = [r["perf/step_time"] for r in rows]
+    pairs = [{"step": r["step"], "v4rl_s": o, "trl_s": t, "ratio": t / o, "load_1m": r["load_1m"]}
+             for r, o, t in zip(rows, ours_s, trl.step_s)]
+    trl_rewards = [e["reward"] for e in trl_log if "reward" in e]
+    elapsed = {"v4rl": _cumulative(ours_s), "trl": _cumulative(trl.step_s)}
+    for side, side_evals in evals.items():
+        for e in side_evals:
+            e["train_seconds"] = elapsed[side][e["step"]]
+    learning = _learning(evals)
+    speedup = statistics.median(p["ratio"] for p in pairs)
+    phases = _phases(rows, trl)
+    return {
+        "steps": settings.steps,
+        "seconds_per_step": {"v4rl": statistics.median(ours_s), "trl": statistics.median(trl.step_s)},
+        "speedup": speedup,
+        "trl_version": trl_version,
+        "settings": settings.to_dict(),
+        "differences": DIFFERENCES,
+        "pairs": pairs,
+        "phases_median_s": phases,
+        "phase_speedup": {name: phases["trl"][name] / phases["v4rl"][name] for name in ("rollout", "train")},
+        "startup_s": {"v4rl": v4rl["startup_s"], "trl": trl.setup_s},
+        "v4rl_turn_wall_s_median": statistics.median(r["wall_s"] for r in rows[1:]) if len(rows) > 1 else None,
+        "reward": {"v4rl": [r["rollout/raw_reward"] for r in rows], "trl": trl_rewards},
+        "evals": evals,
+        "learning": learning,
+        "machine": machine,
+        "goals": {"steps_per_second_vs_trl": {"goal": f">= {SPEED_GOAL}x", "value": speedup, "met": speedup >= SPEED_GOAL},
+                  "learning_per_step_no_worse": {"goal": f"held-out pass@1 at equal steps >= TRL's - {NOISE_SIGMAS:g} "
+                                                         "standard errors of the difference",
+                                                 "met": learning["no_worse"]}},
+        "note": "seconds per step: each side's own step clock, sides alternating step by step in one run; "
+                "speedup = median over steps of TRL seconds / v4rl seconds; evaluation: the same evaluator on "
+                "each side's weights at the same steps; train_seconds = cumulative step seconds",
+    }
+
+
+def _phases(rows: list[dict], trl: TRLSide) -> dict[str, dict[str, float]]:
+    """Median seconds per phase of a step. rollout = generation + grading + advantages on both sides (v4rl: its
+    perf/rollout_time, over HTTP; TRL: _generate_and_score_completions), train = forward + backward + AdamW
+    (v4rl: perf/train_time, a Ray call; TRL: the rest of its step)."""
+    median = statistics.median
+    return {
+        "v4rl": {"rollout": median(r["perf/rollout_time"] for r in rows),
+                 "train": median(r["perf/train_time"] for r in rows),
+                 "weight_sync": median(r["perf/update_weights_time"] for r in rows)},
+        "trl": {"rollout": median(p["rollout_s"] for p in trl.phases),
+                "generate": median(p["generate_s"] for p in trl.phases),
+                "train": median(s - p["rollout_s"] for s, p in zip(trl.step_s, trl.phases))}}
+
+
+def _cumulative(seconds: list[float]) -> list[float]:
+    """[0, s1, s1 + s2, ...]: training seconds elapsed after each step (index = step)."""
+    out = [0.0]
+    for s in seconds:
+        out.append(out[-1] + s)
+    return out
+
+
+def _learning(evals: dict[str, list[dict]]) -> dict[str, Any]:
+    """pass@1 of both sides at each evaluated step, the difference and its noise (standard errors combined)."""
+    trl_by_step = {e["step"]: e for e in evals["trl"]}
+    points = []
+    for ours in evals["v4rl"]:
+        theirs = trl_by_step.get(ours["step"])
+        if theirs is None:
+            continue
+        noise = math.hypot(ours["pass@1_se"], theirs["pass@1_se"])
+        diff = ours["pass@1"] - theirs["pass@1"]
+        points.append({"step": ours["step"], "v4rl": ours["pass@1"], "trl": theirs["pass@1"], "diff": diff,
+                       "diff_se": noise, "no_worse": diff >= -NOISE_SIGMAS * noise})
+    trained = [p for p in points if p["step"] > 0]
+    return {"pass@1": points, "no_worse": bool(trained) and all(p["no_worse"] for p in trained)}
+
+
+def _print_summary(r: dict[str, Any], json_out: Path) -> None:
+    s, p = r["seconds_per_step"], r["phases_median_s"]
+    print(f"e2e GRPO ({r['settings']['prompts_per_step']} prompts x {r['settings']['n_samples']} samples, "
+          f"{r['steps']} steps each, TRL {r['trl_version']}):")
+    print(f"  v4rl {s['v4rl']:.2f} s/step (rollout {p['v4rl']['rollout']:.2f}, train {p['v4rl']['train']:.2f}, "
+          f"weight sync {p['v4rl']['weight_sync']:.2f})")
+    print(f"  TRL  {s['trl']:.2f} s/step (rollout {p['trl']['rollout']:.2f} of which generate "
+          f"{p['trl']['generate']:.2f}, train {p['trl']['train']:.2f})")
+    print(f"  speedup {r['speedup']:.2f}x (median of pairs; goal >= {SPEED_GOAL:g}x: "
+          f"{'met' if r['goals']['steps_per_second_vs_trl']['met'] else 'NOT met'})")
+    for point in r["learning"]["pass@1"]:
+        print(f"  step {point['step']:4d}: pass@1 v4rl {point['v4rl']:.3f}, TRL {point['trl']:.3f} "
+              f"(diff {point['diff']:+.3f} +- {point['diff_se']:.3f})")
+    c = r["cross_format_last_step"]
+    print(f"  step {c['step']:4d}: TRL's weights as FP8 pass@1 {c['trl_as_fp8']['pass@1']:.3f}, v4rl's fp32 master "
+          f"{c['v4rl_master_fp32']['pass@1']:.3f}")
+    print(f"  learning per step no worse: {'yes' if r['learning']['no_worse'] else 'NO'}; plot {r['plot']}")
+    print(f"wrote {json_out}")

@@ -1,0 +1,188 @@
+"""Named run presets, CLI-style overrides, and the preflight planner entry point.
+
+    from engines.run_presets import preflight_plan, resolve
+    plan = preflight_plan("dsv4-flash-mi355x", {"pp": 4, "pp_last": 10})   # raises InfeasibleLayout if not
+    preset, layout_input = resolve("dsv4-flash-mi355x", {"num_rollout": 20})
+
+Presets:
+  dsv4-flash-mi355x         the seed's run: 2 rollout + 2 actor nodes of 8 MI355X, TP1 PP4 EP4 (last stage 10 layers)
+  dsv4-flash-mi355x-1node   Miles' own launcher preset for 1 actor node (colocated, TP8 EP8)
+  dsv4-flash-mi355x-32gpu   Miles' own launcher preset for 32 actor GPUs (colocated, TP4 PP4 EP8, 11+11+11+10)
+  tiny-cpu                  the embedded default (no Miles)
+The two `-1node` / `-32gpu` presets reproduce `scripts/amd/run_deepseek_v4.py train` at Miles 31f1ca961
+setting by setting (tests/conformance/test_miles_launcher.py records that launcher and compares).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engines.dsv4_flash import flash_config
+from engines.layout import (ClusterSpec, InfeasibleLayout, LayoutInput, ModelShape, ParallelSpec, Plan,
+                            RolloutSpec, TrainSpec, dsv4_flash_shape, plan_layout, tiny_cpu_shape)
+from engines.profiles import HardwareProfile, get_profile
+from engines.run_spec import DataSpec, EvalSpec, MilesSettings, RunPreset
+
+SEED_RUN = RunPreset(
+    name="dsv4-flash-mi355x",
+    description="The seed run: DeepSeek-V4-Flash GRPO on 4 x 8 MI355X, 2 rollout + 2 actor nodes, TP1 PP4 EP4.",
+    model=dsv4_flash_shape, hf_config=flash_config, profile="mi355x", nodes=4, rollout_nodes=2,
+    parallel=ParallelSpec(tp=1, pp=4, ep=4, etp=1, cp=1, last_stage_layers=10),
+    train=TrainSpec(max_tokens_per_gpu=8192, micro_batching="per-sample", recompute="full", optimizer_offload=1.0,
+                    rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=2048,
+                    max_response_len=4096),
+    rollout=RolloutSpec(engine_tp=4, engine_ep=4, engine_dp=1, max_running_requests=48, max_total_tokens=524288,
+                        context_length=16384, mem_fraction_static=0.5),  # 0.5: Miles' DeepSeek-V4 launcher
+    num_rollout=200, eval=EvalSpec(interval=10, n_samples_per_prompt=8),
+)
+
+# Miles' AMD launcher (scripts/amd/run_deepseek_v4.py `train`, --mode normal) for the two layouts it has a
+# preset for; every value below is the launcher's (its `_get_parallel_config`, rollout/eval/perf args).
+_MILES_LAUNCHER_TRAIN = TrainSpec(max_tokens_per_gpu=2048, micro_batching="per-sample", recompute="full",
+                                  optimizer_offload=1.0,
+                                  rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=1,
+                                  max_prompt_len=2048, max_response_len=8192)
+_MILES_LAUNCHER_ROLLOUT = RolloutSpec(engine_tp=4, engine_ep=4, engine_dp=1, max_running_requests=48,
+                                      max_total_tokens=524288, context_length=16384, mem_fraction_static=0.5)
+MILES_1NODE_RUN = RunPreset(
+    name="dsv4-flash-mi355x-1node",
+    description="Miles' launcher preset for 1 actor node: 8 MI355X colocated, TP8 (SP) EP8.",
+    model=dsv4_flash_shape, hf_config=flash_config, profile="mi355x", nodes=1, rollout_nodes=0,
+    parallel=ParallelSpec(tp=8, pp=1, ep=8, etp=1, cp=1),
+    train=_MILES_LAUNCHER_TRAIN, rollout=_MILES_LAUNCHER_ROLLOUT, num_rollout=3000,
+)
+MILES_32GPU_RUN = RunPreset(
+    name="dsv4-flash-mi355x-32gpu",
+    description="Miles' launcher preset for 32 actor GPUs: 4 x 8 MI355X colocated, TP4 (SP) PP4 EP8, 11+11+11+10.",
+    model=dsv4_flash_shape, hf_config=flash_config, profile="mi355x", nodes=4, rollout_nodes=0,
+    parallel=ParallelSpec(tp=4, pp=4, ep=8, etp=1, cp=1, first_stage_layers=11, last_stage_layers=10),
+    # 4 actor nodes: the launcher keeps a quarter of Adam on GPU and the train weights resident
+    train=dataclasses.replace(_MILES_LAUNCHER_TRAIN, optimizer_offload=0.75), rollout=_MILES_LAUNCHER_ROLLOUT,
+    num_rollout=3000, miles=MilesSettings(offload_train=False),
+)
+TINY_RUN = RunPreset(
+    name="tiny-cpu",
+    description="The embedded default: the tiny DeepSeek-V4 on one CPU, rollout and trainer colocated, no Miles.",
+    model=tiny_cpu_shape, profile="cpu", nodes=1, rollout_nodes=0, parallel=ParallelSpec(),
+    train=TrainSpec(max_tokens_per_gpu=2048, recompute="none", optimizer_offload=0.0, rollout_batch_size=16,
+                    n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=192, max_response_len=64,
+                    reserve_gb=0.5),
+    rollout=RolloutSpec(engine_tp=1, engine_ep=1, engine_dp=1, max_running_requests=128, max_total_tokens=65536,
+                        context_length=512, mem_fraction_static=0.5, expert_format="fp4", kv_bytes_per_elem=4.0,
+                        reserve_gb=0.5),
+    num_rollout=300, mode="normal", data=DataSpec(prompt_data="", chat_template_kwargs=None),
+    eval=EvalSpec(interval=25, n_samples_per_prompt=8, datasets=(("held-out", ""),)),
+)
+RUN_PRESETS: dict[str, RunPreset] = {p.name: p for p in (SEED_RUN, MILES_1NODE_RUN, MILES_32GPU_RUN, TINY_RUN)}
+
+# override key -> (section, field); "pp" clears the preset's first/last stage sizes (give pp_first/pp_last too).
+# Sections: parallel/train/rollout (planner inputs), cluster (ClusterSpec), run (RunPreset itself),
+# eval/algorithm/data/miles (the Miles job only).
+OVERRIDES: dict[str, tuple[str, str]] = {
+    "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "ep": ("parallel", "ep"), "etp": ("parallel", "etp"),
+    "cp": ("parallel", "cp"), "pp_first": ("parallel", "first_stage_layers"),
+    "pp_last": ("parallel", "last_stage_layers"), "sequence_parallel": ("parallel", "sequence_parallel"),
+    "nodes": ("cluster", "nodes"), "rollout_nodes": ("cluster", "rollout_nodes"),
+    "gpus_per_node": ("cluster", "gpus_per_node"), "hbm_gb": ("cluster", "hbm_gb"),
+    "host_memory_gb": ("cluster", "host_memory_gb"),
+    "max_tokens_per_gpu": ("train", "max_tokens_per_gpu"), "micro_batching": ("train", "micro_batching"),
+    "recompute": ("train", "recompute"),
+    "optimizer_offload": ("train", "optimizer_offload"), "rollout_batch_size": ("train", "rollout_batch_size"),
+    "n_samples_per_prompt": ("train", "n_samples_per_prompt"),
+    "num_steps_per_rollout": ("train", "num_steps_per_rollout"), "max_response_len": ("train", "max_response_len"),
+    "max_prompt_len": ("train", "max_prompt_len"),
+    "sglang_tp": ("rollout", "engine_tp"), "sglang_ep": ("rollout", "engine_ep"), "sglang_dp": ("rollout", "engine_dp"),
+    "max_running_requests": ("rollout", "max_running_requests"), "max_total_tokens": ("rollout", "max_total_tokens"),
+    "context_length": ("rollout", "context_length"), "mem_fraction_static": ("rollout", "mem_fraction_static"),
+    "num_rollout": ("run", "num_rollout"), "mode": ("run", "mode"),
+    "eval_interval": ("eval", "interval"), "n_samples_per_eval_prompt": ("eval", "n_samples_per_prompt"),
+    "eval_datasets": ("eval", "datasets"), "eval_max_response_len": ("eval", "max_response_len"),
+    "prompt_data": ("data", "prompt_data"), "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
+    "fp8_training": ("miles", "fp8_training"), "rollout_routing_replay": ("miles", "rollout_routing_replay"),
+    "fault_tolerance": ("miles", "fault_tolerance"), "save_interval": ("miles", "save_interval"),
+}
+_SECTIONS = ("parallel", "cluster", "train", "rollout", "run", "eval", "algorithm", "data", "miles")
+
+
+def get_run_preset(name: str) -> RunPreset:
+    """The named run preset; ValueError listing the known names otherwise."""
+    try:
+        return RUN_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(RUN_PRESETS))}") from None
+
+
+def apply_overrides(preset: RunPreset, overrides: Mapping[str, Any] | None) -> tuple[RunPreset, dict[str, Any]]:
+    """(the preset with CLI-style overrides applied, ClusterSpec overrides); keys of OVERRIDES, None ignored.
+
+    Two more keys: "profile" (a hardware profile name) and "model_config" (a HF config.json to plan instead
+    of the preset's model; reading it imports the model package, so it costs the torch import once).
+    """
+    given = {k: v for k, v in (overrides or {}).items() if v is not None and k not in ("profile", "model_config")}
+    unknown = sorted(set(given) - set(OVERRIDES))
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown}; known: {', '.join(sorted(OVERRIDES))}")
+    parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if "pp" in given:  # an explicit PP takes its stage sizes from pp_first/pp_last only, not from the preset
+        parts["parallel"].update(first_stage_layers=None, last_stage_layers=None)
+    for key, value in given.items():
+        section, name = OVERRIDES[key]
+        parts[section][name] = tuple(map(tuple, value)) if key == "eval_datasets" else value
+    cluster = parts.pop("cluster")
+    model_config = (overrides or {}).get("model_config")
+    return dataclasses.replace(
+        preset, nodes=cluster.pop("nodes", preset.nodes),
+        rollout_nodes=cluster.pop("rollout_nodes", preset.rollout_nodes),
+        **parts["run"],
+        **{name: dataclasses.replace(getattr(preset, name), **parts[name])
+           for name in ("parallel", "train", "rollout", "eval", "algorithm", "data", "miles")},
+        profile=(overrides or {}).get("profile") or preset.profile,
+        model=_model_from(model_config) if model_config else preset.model,
+        hf_config=_config_from(model_config) if model_config else preset.hf_config,
+    ), cluster
+
+
+def _model_from(config_json: str) -> Callable[[], ModelShape]:
+    shape = ModelShape.from_hf_config(config_json)  # read once, up front: a bad path fails here (ValueError)
+    return lambda: shape
+
+
+def _config_from(config_json: str) -> Callable[[], dict[str, Any]]:
+    import json
+    from pathlib import Path
+
+    raw = json.loads(Path(config_json).read_text())
+    return lambda: dict(raw)
+
+
+def layout_input(preset: RunPreset, cluster_overrides: Mapping[str, Any] | None = None,
+                 profile: HardwareProfile | None = None) -> LayoutInput:
+    """The planner input for a preset on its (or the given) hardware profile."""
+    prof = profile or get_profile(preset.profile)
+    cluster = ClusterSpec(nodes=preset.nodes, rollout_nodes=preset.rollout_nodes, gpus_per_node=prof.gpus_per_node,
+                          hbm_gb=prof.hbm_gb, host_memory_gb=prof.host_memory_gb,
+                          intra_node_gbps=prof.intra_node_gbps, inter_node_gbps=prof.inter_node_gbps)
+    cluster = dataclasses.replace(cluster, **dict(cluster_overrides or {}))
+    return LayoutInput(model=preset.model(), cluster=cluster, parallel=preset.parallel, train=preset.train,
+                       rollout=preset.rollout)
+
+
+def resolve(preset_name: str, overrides: Mapping[str, Any] | None = None) -> tuple[RunPreset, LayoutInput]:
+    """Preset + overrides -> (effective preset, planner input)."""
+    preset, cluster = apply_overrides(get_run_preset(preset_name), overrides)
+    return preset, layout_input(preset, cluster)
+
+
+def preflight_plan(preset_name: str, overrides: Mapping[str, Any] | None = None, *,
+                   raise_on_infeasible: bool = True) -> Plan:
+    """Plan the preset's layout. Raises InfeasibleLayout (its .plan has reasons) unless raise_on_infeasible=False.
+
+    Bad input (unknown preset or override, a size < 1) raises ValueError. Runs in milliseconds, no GPUs.
+    """
+    _, inp = resolve(preset_name, overrides)
+    plan = plan_layout(inp)
+    if raise_on_infeasible and not plan.feasible:
+        raise InfeasibleLayout(plan)
+    return plan

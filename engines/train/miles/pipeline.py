@@ -1,0 +1,204 @@
+"""The cluster path's pipeline steps, each one Miles job (jobs.py) on the existing Ray cluster, called by the
+rl-pipeline's tasks exactly where the tiny-cpu path calls the embedded engines:
+
+    train_segment(run, until)   Miles trains rollouts [resume point, until) through --load and evaluates itself
+                                every eval_interval rollouts; its records land in the run directory as
+                                tiny-cpu's do (results.py), live, while the job runs
+    evaluate_step(run, step)    the step's eval/step_XXXXXX.json: the one Miles logged, else Miles' eval-only job
+                                on the step's checkpoint (step 0: --ref-load, our converted checkpoint)
+    align_gate(run, config)     the cluster alignment gate (engines/align/cluster.py): SGLang generates, Megatron
+                                rescores through Miles' train-only debug run
+
+`ClusterRun.from_miles` reads the flow's settings (flows/rl_pipeline.py `_miles`: the deployment's Site, the
+MilesJob paths, the preset overrides the flow parameters make). Everything that submits needs the cluster
+(`gpu`-marked tests); the argv, the readback and the gate's files are tested on CPU against Miles' own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.site import Site
+from engines.train.miles.checkpoints import list_checkpoints
+from engines.train.miles.command import MilesJob
+from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, segment_argv
+from engines.train.miles.results import MilesRecorder, MilesResultsError
+from engines.train.miles.runner import MilesOutcome, MilesRunError, PreparedJob, prepare_job, run_miles
+from engines.train.miles.submit import submit_argv
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRun:
+    """One rl-pipeline run on the cluster: the Miles job and where its results go."""
+
+    preset: str
+    """Run preset name (engines.run_presets)."""
+    job: MilesJob
+    """Paths of the Miles job; save_dir is kept across flow runs, which is what makes them resume."""
+    site: Site
+    """RAY_ADDRESS, MASTER_ADDR, interfaces: preflight fails naming the missing deployment parameter."""
+    run_dir: str
+    """This host's run directory: metrics.jsonl, eval/, the Miles log."""
+    eval_interval: int
+    """Rollouts per training segment; Miles evaluates at each segment's end."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Planner overrides of the preset (engines.run_presets OVERRIDES keys)."""
+    align_sglang_url: str | None = None
+    """An SGLang server serving hf_checkpoint for the alignment gate; None: launch one here (a GPU host)."""
+    idle_timeout_s: float = 3600.0
+    """Kill a job that prints nothing this long (a stalled collective), and stop its Ray job."""
+
+    @classmethod
+    def from_miles(cls, miles: Mapping[str, Any]) -> "ClusterRun":
+        """From the flow's plain-dict settings (flows/rl_pipeline.py `_miles`: PipelineParams.site(),
+        .miles_job(), .miles_overrides(), the run directory, the segment length, the gate's SGLang server)."""
+        site = dict(miles["site"])
+        site["worker_ips"] = tuple(site.get("worker_ips") or ())
+        return cls(preset=miles["preset"], job=MilesJob(**miles["job"]), site=Site(**site), run_dir=miles["run_dir"],
+                   eval_interval=int(miles["eval_interval"]), overrides=dict(miles.get("overrides") or {}),
+                   align_sglang_url=miles.get("align_sglang_url") or None)
+
+    def prepare(self) -> PreparedJob:
+        return prepare_job(self.preset, self.job, site=self.site, overrides=self.overrides)
+
+    def recorder(self, argv: list[str], **kwargs: Any) -> MilesRecorder:
+        """A recorder set up from the job's own flags: eval datasets, samples per eval prompt, steps per rollout."""
+        datasets = flag_values(argv, "--eval-prompt-data") or []
+        pairs = dict(zip(datasets[0::2], datasets[1::2]))
+        samples = flag_values(argv, "--n-samples-per-eval-prompt")
+        steps = flag_values(argv, "--num-steps-per-rollout")
+        return MilesRecorder(self.run_dir, num_steps_per_rollout=int(steps[0]) if steps else 1,
+                             eval_dataset=next(iter(pairs), None), eval_problems=_rows_here(pairs),
+                             n_samples_per_eval_prompt=int(samples[0]) if samples else None, **kwargs)
+
+    def submit(self, prepared: PreparedJob, argv: list[str], *, recorder: MilesRecorder | None = None,
+               expect_start_rollout: int | None = None, on_line: Callable[[str], None] | None = None) -> MilesOutcome:
+        """Run `argv` as the job's train.py argv on the cluster, recording its metric lines."""
+        command = dataclasses.replace(prepared.command, argv=list(argv))
+        try:
+            return run_miles(submit_argv(command, self.site), log_path=self.job.log_path, env=prepared.submit_env,
+                             idle_timeout_s=self.idle_timeout_s, on_line=on_line,
+                             on_record=recorder.feed if recorder else None, expect_start_rollout=expect_start_rollout)
+        finally:
+            if recorder is not None:
+                recorder.finish()  # what was trained before a failure is committed; a resume drops the rest
+
+
+def _rows_here(datasets: Mapping[str, str]) -> dict[str, int]:
+    """Problems per eval dataset, for the datasets readable on this host (JSONL rows); others are left out."""
+    out = {}
+    for name, path in datasets.items():
+        p = Path(path)
+        if p.is_file() and p.suffix == ".jsonl":
+            with p.open(encoding="utf-8") as f:
+                out[name] = sum(1 for line in f if line.strip())
+    return out
+
+
+def train_segment(run: ClusterRun, until: int, *, on_line: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Miles trains up to rollout `until`, resuming where the save directory says (checkpoints.py)."""
+    prepared = run.prepare()
+    start = prepared.resume.start_rollout_id
+    recorder = run.recorder(prepared.command.argv, log=on_line or (lambda message: None))
+    recorder.begin(start)
+    if start >= until:
+        return {"resumed_from": start, "last_step": start, "skipped": True}
+    argv = segment_argv(prepared.command.argv, until=until, eval_interval=run.eval_interval)
+    outcome = run.submit(prepared, argv, recorder=recorder, expect_start_rollout=start or None, on_line=on_line)
+    saved = [c.iteration for c in list_checkpoints(run.job.save_dir) if c.complete]
+    if until - 1 not in saved:
+        raise MilesRunError(f"Miles ended the segment without saving rollout {until - 1} (iter_{until - 1:07d} in "
+                            f"{run.job.save_dir}); the next segment could not resume from it", outcome)
+    return {"resumed_from": start, "last_step": until, "steps": recorder.committed, "evaluated": recorder.evaluated,
+            "seconds": outcome.seconds, "log": str(outcome.log_path)}
+
+
+def evaluate_step(run: ClusterRun, step: int, *, on_line: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """eval/step_XXXXXX.json for `step` (Miles' own record), running Miles' eval-only job when it is missing."""
+    path = Path(run.run_dir) / "eval" / f"step_{step:06d}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    where: dict[str, Any] = {}
+    if step > 0:
+        kept = {c.iteration for c in list_checkpoints(run.job.save_dir) if c.complete}
+        if step - 1 not in kept:
+            raise MilesResultsError(f"step {step} has no evaluation and its checkpoint iter_{step - 1:07d} is not in "
+                                    f"{run.job.save_dir} (kept: {sorted(kept)}; pruned by --save-retain-interval?); "
+                                    "evaluate at a kept step, or keep more checkpoints")
+        where = {"checkpoint_dir": run.job.save_dir, "iteration": step - 1}
+    prepared = run.prepare()
+    argv = eval_only_argv(prepared.command.argv, **where)
+    recorder = run.recorder(argv, eval_only_step=step)
+    run.submit(prepared, argv, recorder=recorder, on_line=on_line)
+    if step not in recorder.evaluated:
+        raise MilesResultsError(f"Miles' eval-only job logged no `eval 0:` line for step {step}; see {run.job.log_path}")
+    return json.loads(path.read_text())
+
+
+def align_gate(run: ClusterRun, config: Any, *, on_line: Callable[[str], None] | None = None) -> dict:
+    """The cluster alignment gate (engines/align/cluster.py) on this run's job: `config.n_prompts` held-out
+    prompts x the job's --n-samples-per-prompt on SGLang, then Megatron through Miles' train-only debug run."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from engines.align.cluster import gate_batch, score_batch
+    from engines.align.inputs import held_out_prompts
+    from engines.rollout.sglang import SGLangClient
+
+    t0 = time.perf_counter()
+    prepared = run.prepare()
+    n = int((flag_values(prepared.command.argv, "--n-samples-per-prompt") or ["1"])[0])
+    tokenizer = AutoTokenizer.from_pretrained(run.job.hf_checkpoint)  # tokenizer files only, no weights
+    prompts = held_out_prompts(tokenizer, config.n_prompts, config.seed, tokenizer.bos_token_id)
+    shared = Path(f"{run.job.save_dir}-align-gate")  # beside --save: on storage every node of the job reads
+    with _sglang_server(run) as url, SGLangClient(url, timeout=3600) as client:
+        samples = gate_batch(client, prompts, config, shared_dir=shared, n_samples_per_prompt=n,
+                             decode=tokenizer.decode)
+    generated = round(time.perf_counter() - t0, 3)
+
+    def run_align_job(rollout_data: str, train_dump: str) -> None:
+        run.submit(prepared, align_argv(prepared.command.argv, rollout_data=rollout_data, train_dump=train_dump,
+                                        n_prompts=config.n_prompts), on_line=on_line)
+
+    return score_batch(samples, config, shared_dir=shared, run_align_job=run_align_job, seconds={"generate": generated},
+                       inputs={"model": run.job.hf_checkpoint, "torch_dist": run.job.ref_load, "sglang": url})
+
+
+class _sglang_server:
+    """The given SGLang URL, or one engine launched on the Ray cluster this host belongs to (ray.init("auto"),
+    the preset's engine size) for the gate's generation; stopped when the block ends, before Megatron runs."""
+
+    def __init__(self, run: ClusterRun) -> None:
+        self.run, self.fleet, self.connected = run, None, False
+
+    def __enter__(self) -> str:
+        if self.run.align_sglang_url:
+            return self.run.align_sglang_url
+        import ray
+
+        from engines.profiles import get_profile
+        from engines.rollout.launcher import SGLangServerSpec, launch_sglang_servers
+        from engines.run_presets import resolve
+
+        preset, _ = resolve(self.run.preset, self.run.overrides)
+        if not ray.is_initialized():
+            ray.init(address="auto")
+            self.connected = True
+        spec = SGLangServerSpec.from_preset(self.run.job.hf_checkpoint, preset, get_profile(preset.profile))
+        self.fleet = launch_sglang_servers(spec, 1)
+        return self.fleet.urls[0]
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.fleet is not None:
+                self.fleet.stop()
+        finally:
+            if self.connected:
+                import ray
+
+                ray.shutdown()  # this host's connection only; the user's cluster keeps running

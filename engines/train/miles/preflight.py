@@ -1,0 +1,221 @@
+"""Preflight against the user's Miles: run Miles' own `parse_args` on the exact argv v4rl will submit, on CPU.
+
+In a subprocess (engines.engine_sources.engine_python): Megatron-LM (`--megatron-dir` / $V4RL_MEGATRON_DIR /
+the pinned tarball) first on sys.path so its `megatron/` wins over the pip megatron-core, then Miles
+(`--miles-dir` / $V4RL_MILES_DIR / the pinned tarball) and SGLang 0.5.23's source with its extra pure-Python
+packages (sglang-router, polars, ...); GPU-only imports are stubbed only where their import fails, plus
+`sglang.srt.entrypoints.openai.encoding_dsv4`, which Miles main imports and upstream 0.5.23 lacks (it comes
+from Miles' sglang-miles branch). `torch.cuda.get_device_capability/get_device_properties` answer as the
+profile's accelerator, and the process runs with the job's runtime env, which Megatron asserts on. The probe
+(probes/parse_args_probe.py) reports every rejected flag; this module then compares what Miles resolved with
+what v4rl meant (parallel sizes, batch and sample counts, eval datasets, save interval, TIS, offload,
+precision) and checks the job's local inputs (config.json, dataset files).
+
+    report = check_job(SEED_RUN, job, site=site)          # ~40 s on 2 cores (Miles imports torch + Megatron)
+    report.ok, report.rejected, report.mismatches
+
+Nothing here is imported by the library at startup: `v4rl plan` without `--miles-dir` never runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.layout import ClusterSpec
+from engines.profiles import HardwareProfile, get_profile
+from engines.run_presets import layout_input
+from engines.run_spec import RunPreset
+from engines.site import Site
+from engines.train.miles.command import MilesCommand, MilesJob, build_command
+from engines.train.miles.train_args import data_path
+
+PROBE = Path(__file__).with_name("probes") / "parse_args_probe.py"
+MILES_STUB_ROOTS = ("megatron.bridge", "mbridge", "amdsmi", "mooncake", "sglang.srt.entrypoints.openai.encoding_dsv4")
+"""Beyond engines.engine_stubs.GPU_ONLY_ROOTS: Megatron-Bridge and mbridge (pinned git installs in Miles' image),
+AMD's SMI bindings, Mooncake, and the DeepSeek-V4 chat encoder of Miles' SGLang branch."""
+DEVICES: dict[str, dict[str, Any]] = {  # what torch.cuda reports on the target accelerator
+    "mi355x": {"name": "AMD Instinct MI355X", "capability": [9, 5], "total_memory": 288 * 10**9},
+    "h200": {"name": "NVIDIA H200", "capability": [9, 0], "total_memory": 141 * 10**9},
+}
+
+
+class MilesRejected(ValueError):
+    """Miles' own parser rejects v4rl's job, resolves it differently, or its inputs are missing (not retried)."""
+
+
+@dataclass
+class MilesCheck:
+    """What Miles' own parser made of v4rl's job."""
+
+    accepted: bool
+    """parse_args (and Miles'/Megatron's validation) returned without error."""
+    rejected: list[str]
+    """Flags Miles' parser does not know or refused (a Miles checkout of another version shows up here)."""
+    error: str
+    mismatches: list[str] = field(default_factory=list)
+    """'<name>: v4rl meant X, Miles resolved Y' for each value Miles resolved differently."""
+    problems: list[str] = field(default_factory=list)
+    """Local inputs that cannot work (config.json, dataset files), each with the parameter and the fix."""
+    resolved: dict[str, Any] = field(default_factory=dict)
+    stubbed: list[str] = field(default_factory=list)
+    miles_dir: str = ""
+    megatron_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.accepted and not self.mismatches and not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"Miles ({self.miles_dir}) accepts the job; every checked value resolved as v4rl meant"
+        lines = [f"Miles ({self.miles_dir}) " + ("parses v4rl's job, but:" if self.accepted
+                                                 else "rejects v4rl's job (nothing was submitted):")]
+        lines += [f"  rejected flag {f}: not an option of this Miles (v4rl builds for Miles 31f1ca961 with "
+                  "Megatron-LM 2e64d788b; check out that pin or point --miles-dir/--megatron-dir at it)"
+                  for f in self.rejected]
+        if not self.accepted and not self.rejected:
+            lines.append(f"  {self.error.strip().splitlines()[-1] if self.error.strip() else 'failed'}")
+        lines += [f"  {m}" for m in self.mismatches] + [f"  {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "accepted": self.accepted, "rejected": self.rejected, "error": self.error,
+                "mismatches": self.mismatches, "problems": self.problems, "resolved": self.resolved,
+                "stubbed": self.stubbed, "miles_dir": self.miles_dir, "megatron_dir": self.megatron_dir}
+
+
+def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec) -> dict[str, Any]:
+    """What v4rl means each checked Miles argument to resolve to (after Miles' own defaults and fallbacks)."""
+    p, t, e, m = preset.parallel, preset.train, preset.eval, preset.miles
+    has_tracker = (Path(job.save_dir) / "latest_checkpointed_iteration.txt").is_file()
+    return {
+        "tensor_model_parallel_size": p.tp, "pipeline_model_parallel_size": p.pp,
+        "decoder_first_pipeline_num_layers": p.first_stage_layers,
+        "decoder_last_pipeline_num_layers": p.last_stage_layers, "context_parallel_size": p.cp,
+        "expert_model_parallel_size": p.ep, "expert_tensor_parallel_size": p.expert_tp, "sequence_parallel": p.sp,
+        "actor_num_nodes": cluster.actor_nodes, "actor_num_gpus_per_node": cluster.gpus_per_node,
+        "rollout_num_gpus": cluster.rollout_gpus, "rollout_num_gpus_per_engine": preset.rollout.engine_tp,
+        "colocate": cluster.colocated, "num_rollout": preset.num_rollout, "rollout_batch_size": t.rollout_batch_size,
+        "n_samples_per_prompt": t.n_samples_per_prompt, "num_steps_per_rollout": t.num_steps_per_rollout,
+        "global_batch_size": t.global_batch, "micro_batch_size": 1, "use_dynamic_batch_size": False,
+        "rollout_max_response_len": t.max_response_len,
+        "eval_interval": e.interval if e.enabled else None,
+        "eval_datasets": [(name, data_path(job, path), e.n_samples_per_prompt, e.max_response_len, e.top_p)
+                          for name, path in e.datasets] if e.enabled else [],
+        "save": job.save_dir, "save_interval": m.save_interval,
+        # Miles loads --load only when it holds a tracker, else --ref-load as a finetune start (arguments.py)
+        "load": job.save_dir if has_tracker else job.ref_load, "ref_load": job.ref_load,
+        "use_tis": preset.algorithm.use_tis, "optimizer_cpu_offload": t.optimizer_offload > 0,
+        "optimizer_offload_fraction": t.optimizer_offload if 0 < t.optimizer_offload < 1 else 1.0,
+        "bf16": True, "fp8": "e4m3" if m.fp8_training else None,
+        "use_rollout_routing_replay": m.rollout_routing_replay, "use_fault_tolerance": m.fault_tolerance,
+        "deterministic_mode": m.deterministic, "qkv_format": "bshd", "lr": preset.algorithm.lr,
+    }
+
+
+def compare_resolved(expected: dict[str, Any], resolved: dict[str, Any]) -> list[str]:
+    """One line per value Miles resolved differently from v4rl's meaning."""
+    out = []
+    for key, want in expected.items():
+        got = resolved.get(key)
+        if key == "eval_datasets":
+            got = [(d.get("name"), d.get("path"), d.get("n_samples_per_eval_prompt"), d.get("max_response_len"),
+                    d.get("top_p")) for d in (got or [])]
+            want = [tuple(w) for w in want]
+        if not _same(want, got):
+            out.append(f"{key}: v4rl meant {want!r}, Miles resolved {got!r}")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)))
+    return a == b
+
+
+def local_problems(preset: RunPreset, job: MilesJob, *, check_data: bool) -> list[str]:
+    """Inputs of the job that exist (or not) on this machine: dataset files when `check_data`."""
+    if not check_data:
+        return []
+    files = [("prompt_data (--prompt-data)", data_path(job, preset.data.prompt_data))]
+    if preset.eval.enabled:
+        files += [(f"eval dataset {name!r} (--eval-prompt-data)", data_path(job, path))
+                  for name, path in preset.eval.datasets]
+    return [f"{what}: {path} does not exist; fix the path (train_data / eval_data / data_dir) so the cluster "
+            "nodes can read it" for what, path in files if not Path(path).is_file()]
+
+
+def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cluster: ClusterSpec,
+                  profile: HardwareProfile, miles_dir: str | Path | None = None,
+                  megatron_dir: str | Path | None = None, check_data: bool = False,
+                  timeout: float = 900.0) -> MilesCheck:
+    """Run Miles' parse_args on `command` (built for `preset`/`job`) and compare; see the module docstring.
+
+    Raises engines.engine_sources.EngineSourceMissing when Miles, Megatron-LM or SGLang cannot be found.
+    """
+    from engines.engine_sources import engine_python, megatron_tree, miles_tree, sglang_paths
+    from engines.engine_stubs import GPU_ONLY_ROOTS
+
+    miles = miles_tree(miles_dir)
+    megatron = megatron_tree(megatron_dir)
+    paths = [megatron, miles, *sglang_paths()]
+    if profile.name not in DEVICES:
+        raise ValueError(f"profile {profile.name!r} has no accelerator description for Miles' parser; known: "
+                         f"{', '.join(DEVICES)} (add it to engines/train/miles/preflight.py DEVICES)")
+    device = DEVICES[profile.name]
+    env = {k: v for k, v in command.env.items() if k != "PYTHONPATH"}  # the cluster's paths mean nothing here
+    with tempfile.TemporaryDirectory(prefix="v4rl-miles-preflight-") as tmp:
+        argv = _local_hf_checkpoint(command.argv, preset, job, Path(tmp))
+        request = Path(tmp) / "request.json"
+        request.write_text(json.dumps({"argv": argv, "device": device}))
+        code = f"import runpy, sys; sys.argv[0] = {str(PROBE)!r}; runpy.run_path({str(PROBE)!r}, run_name='__main__')"
+        done = engine_python(code, paths, args=[str(request)], stub_roots=(*GPU_ONLY_ROOTS, *MILES_STUB_ROOTS),
+                             env=env, cwd=tmp, timeout=timeout, check=False)
+    answer = _answer(done)
+    check = MilesCheck(accepted=answer["accepted"], rejected=answer["rejected"], error=answer["error"],
+                       resolved=answer.get("resolved") or {}, stubbed=answer.get("stubbed", []),
+                       miles_dir=str(miles), megatron_dir=str(megatron))
+    if check.accepted:
+        check.mismatches = compare_resolved(expected_values(preset, job, cluster), check.resolved)
+    check.problems = local_problems(preset, job, check_data=check_data)
+    return check
+
+
+def check_job(preset: RunPreset, job: MilesJob, *, site: Site | None = None, cluster: ClusterSpec | None = None,
+              **kwargs: Any) -> MilesCheck:
+    """Build the job exactly as it would be submitted and check it (kwargs: check_command's)."""
+    profile = get_profile(preset.profile)
+    cluster = cluster or layout_input(preset, profile=profile).cluster
+    command = build_command(preset, job, site=site, cluster=cluster, profile=profile)
+    return check_command(command, preset, job, cluster=cluster, profile=profile, **kwargs)
+
+
+def _local_hf_checkpoint(argv: list[str], preset: RunPreset, job: MilesJob, tmp: Path) -> list[str]:
+    """Miles reads --hf-checkpoint's config.json while parsing; when the directory is not on this machine
+    (a plan, or a cluster-only path) a temporary one holding the config the job was built from stands in."""
+    if Path(job.hf_checkpoint).is_dir():
+        return argv
+    if preset.hf_config is None:
+        raise ValueError(f"{job.hf_checkpoint} is not a directory here and preset {preset.name!r} has no "
+                         "config.json; point hf_checkpoint at the FP8 HF checkpoint")
+    stand_in = tmp / "hf-checkpoint"
+    stand_in.mkdir()
+    (stand_in / "config.json").write_text(json.dumps(preset.hf_config()))
+    i = argv.index("--hf-checkpoint")
+    return [*argv[:i + 1], str(stand_in), *argv[i + 2:]]
+
+
+def _answer(done) -> dict[str, Any]:
+    from engines.train.miles.probes.parse_args_probe import MARKER
+
+    out = done.stdout or ""
+    if MARKER not in out:
+        tail = "\n".join(((done.stderr or "") + out).strip().splitlines()[-25:])
+        return {"accepted": False, "rejected": [], "error": f"the Miles probe exited {done.returncode}:\n{tail}"}
+    return json.loads(out.split(MARKER, 1)[1].strip().splitlines()[0])

@@ -1,0 +1,109 @@
+"""Runs Miles' own `parse_args` on one argv and prints what it resolved, as one JSON line. Never imported by v4rl.
+
+It is the body of the cluster preflight's subprocess (engines/train/miles/preflight.py): that process has
+Megatron-LM first on sys.path, then Miles and SGLang 0.5.23's source, the GPU-only modules stubbed where their
+import fails, and the job's runtime env as its environment (Megatron asserts on CUDA_DEVICE_MAX_CONNECTIONS and
+NCCL_ALGO). The request is a JSON file: {"argv": [...], "device": {"capability": [9, 5], "name": ...,
+"total_memory": ...}}. The answer on stdout after the marker line: {"accepted": bool, "stage": "parse" |
+"validate" | "import", "rejected": [flags], "error": str, "resolved": {...}}.
+
+    python parse_args_probe.py request.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import traceback
+
+MARKER = "=== v4rl parse_args probe ==="
+RESOLVED = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "sequence_parallel", "actor_num_nodes", "actor_num_gpus_per_node",
+    "rollout_num_gpus", "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
+    "n_samples_per_prompt", "num_steps_per_rollout", "global_batch_size", "micro_batch_size",
+    "use_dynamic_batch_size", "max_tokens_per_gpu", "rollout_max_response_len", "eval_interval", "save",
+    "save_interval", "save_retain_interval", "load", "ref_load", "start_rollout_id", "finetune", "use_tis",
+    "optimizer_cpu_offload", "optimizer_offload_fraction", "offload_train", "bf16", "fp8", "fp8_recipe",
+    "use_rollout_routing_replay", "use_fault_tolerance", "deterministic_mode", "qkv_format", "lr", "eps_clip",
+    "eps_clip_high", "prompt_data", "hf_checkpoint", "num_layers", "hidden_size", "num_experts",
+    "compress_ratios",
+    # the jobs the pipeline derives from the training job (engines/train/miles/jobs.py)
+    "skip_eval_before_train", "log_passrate", "n_samples_per_eval_prompt", "ckpt_step", "no_load_optim",
+    "debug_train_only", "debug_disable_optimizer", "load_debug_rollout_data", "save_debug_train_data",
+)
+
+
+class _Rejected(Exception):
+    """argparse refused the argv (the message names the flags)."""
+
+
+def _patch_device(device: dict) -> None:
+    """Megatron's validate_args asks the accelerator what it is; answer as the target one would."""
+    import torch
+
+    props = type("DeviceProperties", (), {"name": device["name"], "total_memory": int(device["total_memory"]),
+                                          "major": device["capability"][0], "minor": device["capability"][1],
+                                          "multi_processor_count": device.get("multi_processor_count", 0)})
+    torch.cuda.get_device_capability = lambda *a, **k: tuple(device["capability"])
+    torch.cuda.get_device_properties = lambda *a, **k: props()
+
+
+def _rejected_flags(message: str) -> list[str]:
+    """The flags an argparse error message names ("unrecognized arguments: --a --b", "argument --x: ...")."""
+    if "unrecognized arguments:" in message:
+        return [t for t in message.split("unrecognized arguments:", 1)[1].split() if t.startswith("-")]
+    if message.startswith("argument "):
+        return [message[len("argument "):].split(":", 1)[0].split("/")[0].strip()]
+    return []
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _jsonable(getattr(value, k)) for k in value.__dataclass_fields__}
+    return str(value)
+
+
+def probe(request: dict) -> dict:
+    def error(self, message):  # argparse would print usage and exit 2; keep the message instead
+        raise _Rejected(message)
+
+    argparse.ArgumentParser.error = error
+    sys.argv = ["train.py", *request["argv"]]
+    log = io.StringIO()
+    stage = "import"
+    try:
+        with contextlib.redirect_stdout(log):
+            _patch_device(request["device"])
+            from miles.utils.arguments import parse_args
+
+            stage = "parse"
+            args = parse_args()
+    except _Rejected as exc:
+        return {"accepted": False, "stage": "parse", "rejected": _rejected_flags(str(exc)), "error": str(exc)}
+    except SystemExit as exc:
+        return {"accepted": False, "stage": stage, "rejected": [], "error": f"exit {exc.code}: {log.getvalue()[-2000:]}"}
+    except Exception as exc:  # Miles/Megatron validation asserts (or an import that is not stubbed)
+        stage = "validate" if stage == "parse" else stage
+        return {"accepted": False, "stage": stage, "rejected": [], "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:]}
+    resolved = {key: _jsonable(getattr(args, key, None)) for key in RESOLVED}
+    resolved["eval_datasets"] = _jsonable(getattr(args, "eval_datasets", None))
+    return {"accepted": True, "stage": "validate", "rejected": [], "error": "", "resolved": resolved}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        answer = probe(json.load(f))
+    stubs = sys.modules.get("engine_stubs")  # loaded by engines.engine_sources.engine_python
+    answer["stubbed"] = sorted(set(getattr(stubs, "STUBBED", [])))
+    print(MARKER)
+    print(json.dumps(answer))

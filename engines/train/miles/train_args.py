@@ -1,0 +1,164 @@
+"""The non-model flags of Miles' `train.py`, section by section, in the order Miles' launcher writes them.
+
+Each function maps one part of the run preset (engines/run_spec.py) to Miles/Megatron/SGLang flags; every
+value comes from the preset, the planner's cluster, the profile or the job's paths, so any layout the planner
+accepts gets a complete argv (the seed's TP1 PP4 EP4 on 2 + 2 nodes included, which Miles' own launcher has
+no preset for). Constants are Miles' launcher's (scripts/amd/run_deepseek_v4.py at 31f1ca961) and say so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engines.train.miles.model_args import num
+
+if TYPE_CHECKING:
+    from engines.layout import ClusterSpec
+    from engines.profiles import HardwareProfile
+    from engines.run_spec import RunPreset
+    from engines.train.miles.command import MilesJob
+
+DYNAMIC_SAMPLING_FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+OVER_SAMPLING_BATCH_SIZE = 512
+"""--over-sampling-batch-size in --mode normal (Miles' launcher: 512 prompts drawn to fill 32 nonzero-std groups)."""
+
+
+def data_path(job: "MilesJob", path: str) -> str:
+    """A preset's dataset path: absolute as given, relative under the job's data_dir."""
+    return path if path.startswith(("/", "${")) else f"{job.data_dir}/{path}"
+
+
+def checkpoint_args(preset: "RunPreset", job: "MilesJob") -> list[str]:
+    """Model sources and checkpoints: our torch_dist as --ref-load, Miles' own saves in --load/--save."""
+    m = preset.miles
+    args = ["--hf-checkpoint", job.hf_checkpoint, "--ref-load", job.ref_load, "--load", job.save_dir,
+            "--save", job.save_dir, "--save-interval", str(m.save_interval)]
+    return args + (["--save-retain-interval", str(m.save_retain_interval)] if m.save_retain_interval else [])
+
+
+def rollout_args(preset: "RunPreset", job: "MilesJob") -> list[str]:
+    """Prompts, reward, rollout sizes and sampling."""
+    d, t = preset.data, preset.train
+    args = ["--label-key", d.label_key] + (["--apply-chat-template"] if d.apply_chat_template else [])
+    args += (["--rollout-shuffle"] if d.rollout_shuffle else []) + ["--rm-type", d.rm_type]
+    args += ["--num-rollout", str(preset.num_rollout), "--rollout-batch-size", str(t.rollout_batch_size),
+             "--n-samples-per-prompt", str(t.n_samples_per_prompt), "--rollout-temperature", num(d.temperature),
+             "--num-steps-per-rollout", str(t.num_steps_per_rollout)]
+    args += ["--balance-data"] if d.balance_data else []
+    if preset.mode == "normal":  # DAPO: over-sample prompts, drop groups whose rewards are all equal
+        args += ["--over-sampling-batch-size", str(OVER_SAMPLING_BATCH_SIZE),
+                 "--dynamic-sampling-filter-path", DYNAMIC_SAMPLING_FILTER]
+    args += ["--prompt-data", data_path(job, d.prompt_data), "--input-key", d.input_key,
+             "--rollout-max-response-len", str(t.max_response_len)]
+    return args + (["--apply-chat-template-kwargs", d.chat_template_kwargs] if d.chat_template_kwargs else [])
+
+
+def optimizer_args(preset: "RunPreset") -> list[str]:
+    """Adam and where its state lives (optimizer offload to host RAM, as the planner sized it)."""
+    a, t = preset.algorithm, preset.train
+    args = ["--optimizer", a.optimizer, "--lr", num(a.lr), "--lr-decay-style", a.lr_decay_style,
+            "--weight-decay", num(a.weight_decay), "--adam-beta1", num(a.adam_beta1), "--adam-beta2", num(a.adam_beta2)]
+    if t.optimizer_offload > 0:
+        args += ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
+        args += ["--optimizer-offload-fraction", num(t.optimizer_offload)] if t.optimizer_offload < 1 else []
+    return args + (["--no-offload-train"] if preset.miles.offload_train is False else [])
+
+
+def grpo_args(preset: "RunPreset") -> list[str]:
+    """The policy-gradient loss: GRPO advantages, clip range, KL/entropy terms, TIS."""
+    a = preset.algorithm
+    args = ["--advantage-estimator", a.advantage_estimator, "--kl-loss-coef", num(a.kl_loss_coef),
+            "--kl-loss-type", a.kl_loss_type, "--entropy-coef", num(a.entropy_coef), "--eps-clip", num(a.eps_clip),
+            "--eps-clip-high", num(a.eps_clip_high)]
+    return args + (["--use-tis"] if a.use_tis else [])
+
+
+def wandb_args(job: "MilesJob") -> list[str]:
+    """W&B logging when the job names a project; the API key never enters the argv (workers read WANDB_API_KEY)."""
+    if not job.wandb_project:
+        return []
+    args = ["--use-wandb", "--wandb-project", job.wandb_project, "--wandb-group", job.run_id]
+    return args + (["--wandb-team", job.wandb_team] if job.wandb_team else []) + ["--disable-wandb-random-suffix"]
+
+
+def megatron_parallel_args(preset: "RunPreset") -> list[str]:
+    """The Megatron parallel flags of the actor (what every trainer rank is started with)."""
+    p = preset.parallel
+    args = ["--tensor-model-parallel-size", str(p.tp)] + (["--sequence-parallel"] if p.sp else [])
+    args += ["--pipeline-model-parallel-size", str(p.pp)]
+    if p.first_stage_layers is not None:
+        args += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
+    if p.last_stage_layers is not None:
+        args += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
+    # DeepSeek-V4 in Miles supports only all-gather CP (hf_validate_args asserts it when CP > 1)
+    args += ["--context-parallel-size", str(p.cp)] + (["--allgather-cp"] if p.cp > 1 else [])
+    return args + ["--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", str(p.expert_tp)]
+
+
+def perf_args(preset: "RunPreset") -> list[str]:
+    """Parallel layout, activation recompute, micro-batches.
+
+    Miles trains DeepSeek-V4 with `--qkv-format bshd` (misc_args), which forbids dynamic batch sizes, so
+    micro-batches are one sample each; --max-tokens-per-gpu still bounds log-prob passes (conformance A5).
+    """
+    t = preset.train
+    if t.micro_batching != "per-sample":
+        raise ValueError(f"preset {preset.name}: train.micro_batching={t.micro_batching!r}, but Miles trains DeepSeek-V4 "
+                         "with --qkv-format bshd, which forbids dynamic (packed) batches; set micro_batching="
+                         "'per-sample' (one sample per micro-batch, --micro-batch-size 1)")
+    args = megatron_parallel_args(preset)
+    if t.recompute == "full":
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    elif t.recompute == "selective":
+        args += ["--recompute-granularity", "selective"]
+    return args + ["--micro-batch-size", "1", "--max-tokens-per-gpu", str(t.max_tokens_per_gpu)]
+
+
+def eval_args(preset: "RunPreset", job: "MilesJob") -> list[str]:
+    """In-job evaluation: cadence, datasets (`name path` pairs), samples and response budget."""
+    e = preset.eval
+    if not e.enabled:
+        return []
+    args = ["--eval-interval", str(e.interval), "--eval-top-p", num(e.top_p), "--eval-prompt-data"]
+    for name, path in e.datasets:
+        args += [name, data_path(job, path)]
+    # --log-passrate: without it Miles logs no eval/<dataset>-pass@k (only the mean reward)
+    return args + ["--n-samples-per-eval-prompt", str(e.n_samples_per_prompt),
+                   "--eval-max-response-len", str(e.max_response_len), "--log-passrate"]
+
+
+def sglang_args(preset: "RunPreset") -> list[str]:
+    """Rollout engines: GPUs and parallelism per engine, router health checks, and the SGLang limits the planner
+    sized memory with (Miles' launcher leaves those at SGLang's defaults; v4rl passes what it checked)."""
+    r = preset.rollout
+    args = ["--rollout-num-gpus-per-engine", str(r.engine_tp), "--sglang-tp-size", str(r.engine_tp),
+            "--sglang-dp-size", str(r.engine_dp), "--sglang-ep-size", str(r.engine_ep),
+            "--router-health-success-threshold", "1", "--router-health-check-interval-secs", "15",
+            "--router-health-failure-threshold", "40"]
+    return args + ["--sglang-max-running-requests", str(r.max_running_requests),
+                   "--sglang-max-total-tokens", str(r.max_total_tokens),
+                   "--sglang-context-length", str(r.context_length)]
+
+
+def misc_args(preset: "RunPreset", cluster: "ClusterSpec", profile: "HardwareProfile") -> list[str]:
+    """Placement, weight updates, DeepSeek-V4 training switches, precision, the named Miles settings."""
+    m, r = preset.miles, preset.rollout
+    args = ["--update-weight-buffer-size", str(m.weight_update_buffer_bytes),
+            "--actor-num-nodes", str(cluster.actor_nodes), "--actor-num-gpus-per-node", str(cluster.gpus_per_node),
+            "--num-gpus-per-node", str(cluster.gpus_per_node),
+            "--train-memory-margin-bytes", str(m.train_memory_margin_bytes),
+            "--sglang-mem-fraction-static", num(r.mem_fraction_static),
+            "--sglang-watchdog-timeout", str(m.sglang_watchdog_timeout_s),
+            "--accumulate-allreduce-grads-in-fp32", "--model-name", "deepseekv4",  # deepseekv4: the mbridge name
+            "--qkv-format", "bshd", "--moe-router-freeze-gate", "--freeze-e-score-correction-bias",
+            "--rollout-health-check-interval", "300", "--rollout-health-check-timeout", "300"]
+    args += ["--colocate"] if cluster.colocated else ["--rollout-num-gpus", str(cluster.rollout_gpus)]
+    args += ["--use-fault-tolerance"] if m.fault_tolerance else []
+    args += ["--use-rollout-routing-replay"] if m.rollout_routing_replay else []
+    args += ["--deterministic-mode"] if m.deterministic else []
+    if not m.fp8_training:
+        return args + ["--bf16"]
+    args += ["--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise",
+             "--train-env-vars", '{"NVTE_FP8_BLOCK_SCALING_FP32_SCALES":"0"}']
+    # ROCm's Transformer Engine MoE FP8 lacks fused wgrad accumulation (Miles' AMD launcher)
+    return args + (["--no-gradient-accumulation-fusion"] if profile.vendor == "amd" else [])

@@ -1,0 +1,83 @@
+"""Miles' own `parse_args` (with Megatron-LM's validation) accepts v4rl's job and resolves it as v4rl meant.
+
+engines/train/miles/preflight.py runs Miles' parser in a subprocess on CPU: Megatron-LM miles-main first on
+sys.path, Miles main, SGLang 0.5.23's source, GPU-only imports stubbed where they fail, the profile's
+accelerator answering torch.cuda, and the job's runtime env. For the seed's layout (TP1 PP4 EP4, 2 + 2 nodes,
+which Miles' launcher has no preset for) and Miles' 32-GPU layout (TP4 PP4 EP8) the parallel sizes,
+batch/sample counts, eval datasets, save interval, TIS and offload resolve to v4rl's values. A Miles checkout
+of another version (the PR-head tarball) names the flag it rejects, and the runtime env is part of what Miles
+checks (Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1). About 40 s per parse on 2 cores.
+
+    .venv/bin/python -m pytest tests/conformance/test_miles_parse_args.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.run_presets import MILES_32GPU_RUN, SEED_RUN
+from engines.site import Site
+from engines.train.miles import MilesJob
+from engines.train.miles.preflight import check_job
+
+SITE = Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="ens50f0", ib_hca="rdma0")
+
+
+def _job(tmp_path, **kw) -> MilesJob:
+    return MilesJob(run_id="r1", hf_checkpoint="/cluster/V4-Flash-FP8", ref_load="/cluster/V4-Flash_torch_dist",
+                    save_dir=str(tmp_path / "save"), data_dir="/cluster/datasets", **kw)
+
+
+@pytest.mark.parametrize("preset", [SEED_RUN, MILES_32GPU_RUN], ids=lambda p: p.name)
+def test_miles_accepts_the_job_and_resolves_it_as_meant(tmp_path, miles_tree, megatron_tree, sglang_paths, preset):
+    check = check_job(preset, _job(tmp_path), site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
+    assert check.accepted, check.error
+    assert check.ok, check.summary()
+    r, p = check.resolved, preset.parallel
+    assert (r["tensor_model_parallel_size"], r["pipeline_model_parallel_size"], r["expert_model_parallel_size"],
+            r["decoder_last_pipeline_num_layers"]) == (p.tp, p.pp, p.ep, 10)
+    assert r["global_batch_size"] == 256 and r["num_rollout"] == preset.num_rollout
+    assert [(d["name"], d["path"], d["n_samples_per_eval_prompt"]) for d in r["eval_datasets"]] == [
+        ("aime", "/cluster/datasets/aime-2024/aime-2024.jsonl", 8)]
+    assert r["save_interval"] == 20 and r["use_tis"] is True and r["optimizer_cpu_offload"] is True
+    assert r["load"] == r["ref_load"] == "/cluster/V4-Flash_torch_dist" and r["start_rollout_id"] == 0  # fresh
+    assert r["compress_ratios"][:4] == [0, 0, 4, 128] and r["num_layers"] == 43  # read back from config.json
+
+
+def test_miles_of_another_version_names_the_flag_it_rejects(tmp_path, miles_seed_pr_tree, megatron_tree,
+                                                             sglang_paths):
+    check = check_job(SEED_RUN, _job(tmp_path), site=SITE, miles_dir=miles_seed_pr_tree, megatron_dir=megatron_tree)
+    assert not check.accepted and "--sglang-tp-size" in check.rejected
+    assert "rejected flag --sglang-tp-size" in check.summary() and "31f1ca961" in check.summary()
+
+
+def test_the_runtime_env_is_part_of_the_check(tmp_path, miles_tree, megatron_tree, sglang_paths):
+    job = _job(tmp_path, extra_env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    check = check_job(MILES_32GPU_RUN, job, site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
+    assert not check.accepted and "CUDA_DEVICE_MAX_CONNECTIONS" in check.error
+
+
+def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree, megatron_tree, sglang_paths):
+    """The rl-pipeline's preflight task runs the same check on the cluster path before anything is submitted."""
+    import dataclasses
+    import json
+
+    from prefect.logging import disable_run_logger
+
+    from engines.dsv4_flash import flash_config
+    from engines.train.miles.preflight import MilesRejected
+    from tasks.preflight import preflight
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(flash_config()))
+    data = tmp_path / "datasets"
+    (data / "dapo-math-17k").mkdir(parents=True)
+    (data / "dapo-math-17k" / "dapo-math-17k.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    job = dataclasses.replace(_job(tmp_path), hf_checkpoint=str(hf), data_dir=str(data))
+    miles = {"site": dataclasses.asdict(SITE), "job": dataclasses.asdict(job), "overrides": {"num_rollout": 20},
+             "miles_dir": str(miles_tree), "megatron_dir": str(megatron_tree)}
+    with disable_run_logger(), pytest.raises(MilesRejected) as err:
+        preflight.fn(SEED_RUN.name, miles=miles)
+    assert "eval dataset 'aime' (--eval-prompt-data)" in str(err.value)
+    assert f"{data}/aime-2024/aime-2024.jsonl does not exist" in str(err.value) and "prompt_data" not in str(err.value)

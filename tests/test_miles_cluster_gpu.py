@@ -1,0 +1,78 @@
+"""The cluster path on a real cluster (`gpu`): what the CPU suite cannot run. Each test needs the existing Ray
+cluster with Miles 31f1ca961 + Megatron-LM 2e64d788b installed on its nodes, the converted torch_dist and the
+HF FP8 checkpoint on shared storage, and says which variables it reads; without them it skips.
+
+    V4RL_GPU_RUNS_ROOT=/shared/v4rl-runs V4RL_HF_CHECKPOINT=/shared/DeepSeek-V4-Flash-FP8 \
+    V4RL_TORCH_DIST=/shared/DeepSeek-V4-Flash_torch_dist RAY_ADDRESS=http://head:8265 MASTER_ADDR=10.0.0.1 \
+    V4RL_SOCKET_IFNAME=eth0 V4RL_IB_HCA=rdma0,rdma1 V4RL_ALIGN_SGLANG_URL=http://10.0.0.3:30000 \
+    .venv/bin/python -m pytest tests/test_miles_cluster_gpu.py -m gpu -q
+
+What they check: a 2-rollout segment trains and saves; a job killed after its first saved rollout is resumed
+by the next segment at the right rollout, each step in metrics.jsonl once; Miles' eval-only job evaluates
+step 0 into eval/step_000000.json; the alignment gate's SGLang batch is rescored by Megatron through Miles'
+train-only debug run and passes the seed's threshold (0.09 mean |Δlogprob|).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+NEEDED = ("V4RL_GPU_RUNS_ROOT", "V4RL_HF_CHECKPOINT", "V4RL_TORCH_DIST", "RAY_ADDRESS", "MASTER_ADDR",
+          "V4RL_SOCKET_IFNAME", "V4RL_IB_HCA")
+
+
+@pytest.fixture
+def cluster():
+    missing = [k for k in NEEDED if not os.environ.get(k)]
+    if missing:
+        pytest.skip(f"set {', '.join(missing)} to run on the cluster (module docstring)")
+    from engines.train.miles.pipeline import ClusterRun
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import _miles
+
+    paths = {k: os.environ[f"V4RL_{k.upper()}"] for k in ("miles_dir", "megatron_dir", "data_dir")
+             if os.environ.get(f"V4RL_{k.upper()}")}
+    params = PipelineParams.preset_defaults(
+        os.environ.get("V4RL_GPU_PRESET", "dsv4-flash-mi355x"), run_key=f"gpu-test-{int(time.time())}",
+        runs_root=os.environ["V4RL_GPU_RUNS_ROOT"], hf_checkpoint=os.environ["V4RL_HF_CHECKPOINT"], steps=4,
+        eval_interval=2, ray_address=os.environ["RAY_ADDRESS"], master_addr=os.environ["MASTER_ADDR"],
+        socket_ifname=os.environ["V4RL_SOCKET_IFNAME"], ib_hca=os.environ["V4RL_IB_HCA"],
+        align_sglang_url=os.environ.get("V4RL_ALIGN_SGLANG_URL"), **paths)
+    run = ClusterRun.from_miles(_miles(params))
+    # the converted checkpoint comes from V4RL_TORCH_DIST instead of the run's own convert task
+    return dataclasses.replace(run, job=dataclasses.replace(run.job, ref_load=os.environ["V4RL_TORCH_DIST"]))
+
+
+def _steps(run_dir: str) -> list[int]:
+    return [json.loads(x)["step"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_segments_resume_after_a_killed_job_on_the_cluster(cluster):
+    from engines.train.miles import MilesTimeout, find_resume
+    from engines.train.miles.pipeline import evaluate_step, train_segment
+
+    assert "pass@1" in evaluate_step(cluster, 0)  # Miles' eval-only job on --ref-load
+    assert train_segment(cluster, 2)["steps"] == [1, 2]
+    assert find_resume(cluster.job.save_dir).start_rollout_id == 2
+    impatient = dataclasses.replace(cluster, idle_timeout_s=1.0)
+    with pytest.raises(MilesTimeout):  # killed (and its Ray job stopped) long before rollout 3 is saved
+        train_segment(impatient, 4)
+    summary = train_segment(cluster, 4)
+    assert summary["resumed_from"] == 2 and _steps(cluster.run_dir) == [1, 2, 3, 4]
+    assert json.loads((Path(cluster.run_dir) / "eval" / "step_000004.json").read_text())["dataset"]
+
+
+def test_alignment_gate_with_sglang_and_megatron(cluster):
+    from engines.align import AlignConfig
+    from engines.train.miles.pipeline import align_gate
+
+    report = align_gate(cluster, AlignConfig(n_prompts=16, max_new_tokens=256))
+    assert report["n_tokens"] > 0 and report["first_divergence"] is None
+    assert report["passed"], report["failures"]
