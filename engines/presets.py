@@ -24,6 +24,7 @@ Why these numbers:
 
 from __future__ import annotations
 
+from engines.dsv4_flash import COMPRESS_RATIOS, flash_config
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
 from engines.tokenizer import VOCAB_SIZE
 
@@ -64,26 +65,17 @@ PRESETS = {"tiny-cpu": tiny_cpu_model_config}
 
 
 # Miles' `--dsv4-compress-ratios` for DeepSeek-V4-Flash (scripts/models/deepseek-v4-flash.py): one entry per
-# decoder layer plus the MTP layer (the trailing 0), as the HF config's legacy `compress_ratios` lists them.
-DSV4_FLASH_COMPRESS_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)
+# decoder layer plus the MTP layer (the trailing 0), as the release config.json lists them.
+DSV4_FLASH_COMPRESS_RATIOS = tuple(COMPRESS_RATIOS)
 
 
 def dsv4_flash_model_config() -> ModelConfig:
-    """DeepSeek-V4-Flash (284B total, 13B active): the model the `dsv4-flash-mi355x` run trains.
+    """DeepSeek-V4-Flash (284B total, 13B active): the model the `dsv4-flash-mi355x` run trains, read from its
+    release config.json (engines/dsv4_flash.py, the one place its values live).
 
     43 layers (2 sliding-only, 21 CSA at rate 4, 20 HCA at rate 128: Miles' compress ratios without the MTP
     entry), hidden 4096, 64 heads of 512 sharing one KV head, q_lora 1024, 8 output groups of rank 1024,
     256 routed experts top-6 of width 2048 (3 hash-routed layers first), indexer 64 x 128 keeping 512,
     window 128, vocab 129280, compress RoPE YaRN x16 over 65536 positions. Shape only: never build it on CPU.
     """
-    return ModelConfig.from_hf_dict({
-        "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
-        "head_dim": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "o_groups": 8, "o_lora_rank": 1024,
-        "compress_ratios": list(DSV4_FLASH_COMPRESS_RATIOS), "num_hash_layers": 3, "sliding_window": 128,
-        "n_routed_experts": 256, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4,
-        "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 1048576,
-        "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
-        "bos_token_id": 0, "eos_token_id": 1,
-    })
+    return ModelConfig.from_hf_dict(flash_config())
