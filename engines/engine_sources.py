@@ -81,6 +81,8 @@ SGLANG_CPU_DEPS: dict[str, str] = {
     "gguf": "0.19.0", "openai": "", "einops": "0.8.2", "partial-json-parser": "0.2.1.1.post7",
     "setproctitle": "1.3.8", "xgrammar": "", "soundfile": "", "python-multipart": "0.0.34",
     "sglang-router": "0.3.2", "polars": "2.1.0",
+    # sglang.test.send_one (SGLang's own one-prompt client, run by the conformance suite against v4rl's server)
+    "tabulate": "0.9.0",
 }
 
 
@@ -180,6 +182,13 @@ def sglang_paths(install: bool = True) -> list[Path]:
     _build_once(home, lambda: _install_sglang(version, home), install=install,
                 missing=f"SGLang {version} is not in {home}; run once with network access "
                         "(engines.engine_sources.sglang_paths()) or set $V4RL_SGLANG_DIR")
+    if _missing_deps(home):  # SGLANG_CPU_DEPS grew since this cache was built
+        if not install:
+            raise EngineSourceMissing(f"the SGLang {version} cache in {home} lacks {', '.join(_missing_deps(home))}; "
+                                      "run once with network access (engines.engine_sources.sglang_paths())")
+        with _locked(home):
+            if _missing_deps(home):
+                _top_up_deps(home)
     return [home / "src", home / "deps"]
 
 
@@ -194,6 +203,36 @@ def _build_once(home: Path, build, *, install: bool, missing: str) -> None:
             build()
 
 
+def _missing_deps(home: Path) -> list[str]:
+    """Packages of SGLANG_CPU_DEPS the cache was installed without (the list grew since)."""
+    try:
+        installed = {_norm(re.split(r"==", d)[0]) for d in json.loads((home / "ready.json").read_text())["deps"]}
+    except (OSError, ValueError, KeyError):
+        return list(SGLANG_CPU_DEPS)
+    return [name for name in SGLANG_CPU_DEPS if _norm(name) not in installed]
+
+
+def _top_up_deps(home: Path) -> None:
+    """Install the packages added to SGLANG_CPU_DEPS since the cache was built, then record them."""
+    record = json.loads((home / "ready.json").read_text())
+    specs = _dep_specs(_missing_deps(home), _wheel_pins((home / "METADATA").read_text())
+                       if (home / "METADATA").is_file() else {})
+    _pip("install", "--no-deps", "--target", str(home / "deps"), *specs)
+    record["deps"] = list(record["deps"]) + specs
+    tmp = home / "ready.json.partial"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, home / "ready.json")
+
+
+def _dep_specs(names: Sequence[str], pins: Mapping[str, str]) -> list[str]:
+    """`name==version` per package: SGLang's own pin where its wheel has one, else ours, else unpinned."""
+    specs = []
+    for name in names:
+        version = pins.get(_norm(name)) or SGLANG_CPU_DEPS[name]
+        specs.append(f"{name}=={version}" if version else name)
+    return specs
+
+
 def _install_sglang(version: str, home: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}.", dir=home.parent))
     try:
@@ -202,9 +241,8 @@ def _install_sglang(version: str, home: Path) -> None:
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tmp / "src")
             meta = zf.read(f"sglang-{version}.dist-info/METADATA").decode()
-        pins = _wheel_pins(meta)
-        specs = [f"{name}=={pins.get(_norm(name)) or ours}" if (pins.get(_norm(name)) or ours) else name
-                 for name, ours in SGLANG_CPU_DEPS.items()]
+        (tmp / "METADATA").write_text(meta)  # kept: a later top-up of the dependency list reads its pins
+        specs = _dep_specs(list(SGLANG_CPU_DEPS), _wheel_pins(meta))
         _pip("install", "--no-deps", "--target", str(tmp / "deps"), *specs)
         (tmp / "ready.json").write_text(json.dumps({"sglang": version, "deps": specs}, indent=1) + "\n")
         shutil.rmtree(tmp / "wheel")
@@ -290,6 +328,17 @@ stubs.activate(roots if roots is not None else stubs.GPU_ONLY_ROOTS)
 """
 
 
+def engine_command(code: str, paths: Sequence[str | Path], *, args: Sequence[str] = (),
+                   stub_roots: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment `engine_python` runs, for a caller that needs a long-lived process (Popen):
+    `code` as `python -c` with `paths` first on sys.path and the GPU-only stubs active."""
+    child_env = {**os.environ, **(env or {}), "V4RL_ENGINE_PATHS": json.dumps([str(p) for p in paths]),
+                 "V4RL_ENGINE_STUBS": str(Path(__file__).with_name("engine_stubs.py")),
+                 "V4RL_STUB_ROOTS": json.dumps(list(stub_roots) if stub_roots is not None else None)}
+    return [sys.executable, "-c", _BOOTSTRAP + code, *args], child_env
+
+
 def engine_python(code: str, paths: Sequence[str | Path], *, args: Sequence[str] = (),
                   stub_roots: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
                   cwd: str | Path | None = None, timeout: float = 600.0, check: bool = True
@@ -298,10 +347,7 @@ def engine_python(code: str, paths: Sequence[str | Path], *, args: Sequence[str]
     stubbed (`stub_roots`, default engine_stubs.GPU_ONLY_ROOTS; `sys.modules["engine_stubs"]` lists what was
     stubbed). The child gets this interpreter and `env` on top of ours. `check` raises RuntimeError with the
     output's tail when it exits non-zero; a run past `timeout` raises TimeoutError naming it."""
-    child_env = {**os.environ, **(env or {}), "V4RL_ENGINE_PATHS": json.dumps([str(p) for p in paths]),
-                 "V4RL_ENGINE_STUBS": str(Path(__file__).with_name("engine_stubs.py")),
-                 "V4RL_STUB_ROOTS": json.dumps(list(stub_roots) if stub_roots is not None else None)}
-    cmd = [sys.executable, "-c", _BOOTSTRAP + code, *args]
+    cmd, child_env = engine_command(code, paths, args=args, stub_roots=stub_roots, env=env)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as exc:

@@ -100,3 +100,14 @@ def test_vendor_tarball_is_extracted_once_into_the_cache(tmp_path, monkeypatch):
     (tree / "marker").write_text("kept")
     assert engine_sources.megatron_tree() == tree and (tree / "marker").read_text() == "kept"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".megatron-lm-2e64d788b.") and p.is_dir()]
+
+
+def test_a_grown_dependency_list_is_topped_up_not_reinstalled(tmp_path):
+    """A cache built before a package joined SGLANG_CPU_DEPS names it as missing (sglang_paths installs it)."""
+    names = list(engine_sources.SGLANG_CPU_DEPS)
+    (tmp_path / "ready.json").write_text(json.dumps({"sglang": "x", "deps": [f"{n}==1" for n in names[:-1]]}))
+    assert engine_sources._missing_deps(tmp_path) == [names[-1]]
+    (tmp_path / "ready.json").write_text(json.dumps({"sglang": "x", "deps": names}))
+    assert engine_sources._missing_deps(tmp_path) == []
+    specs = engine_sources._dep_specs(["msgspec", "openai"], {"openai": "2.8.0"})
+    assert specs == [f"msgspec=={engine_sources.SGLANG_CPU_DEPS['msgspec']}", "openai==2.8.0"]

@@ -23,8 +23,11 @@ import torch
 
 from checkpoints.hf import encode_tensor
 from engines.quant import tensor_checksum
-from engines.rollout.launcher import (SGLangServerSpec, bucket_metadata, buckets, build_launch_command,
-                                      init_weight_sync_group, launch_env, sglang_named_tensors, wire_view)
+from engines.engine_sources import sglang_version
+from engines.rollout.launcher import (DistributedWeightSync, SGLangServerSpec, bucket_metadata, buckets,
+                                      build_launch_command, check_sglang_version, init_weight_sync_group, launch_env,
+                                      sglang_named_tensors, wire_view)
+from engines.rollout.sglang import SGLangError
 
 PRESET = SimpleNamespace(rollout=SimpleNamespace(engine_tp=8, engine_ep=4, engine_dp=1, max_running_requests=48,
                                                  max_total_tokens=524288, context_length=16384,
@@ -55,6 +58,84 @@ def test_launch_command_from_preset_and_profile():
                    "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
     with pytest.raises(ValueError, match="mem_fraction_static"):
         SGLangServerSpec(model_path="/x", mem_fraction_static=1.5)
+
+
+def test_engine_dp_is_attention_dp_and_replicas_are_dp_size():
+    """B18: a preset's engine_dp is DP attention (--attn-dp-size); --dp-size means whole-model replicas."""
+    preset = SimpleNamespace(rollout=SimpleNamespace(**{**vars(PRESET.rollout), "engine_dp": 2}))
+    cmd = build_launch_command(SGLangServerSpec.from_preset("/ckpt", preset, PROFILE))
+    assert cmd[cmd.index("--attn-dp-size") + 1] == "2" and "--dp-size" not in cmd
+    replicas = build_launch_command(SGLangServerSpec(model_path="/ckpt", tp_size=4, dp_size=2))
+    assert replicas[replicas.index("--dp-size") + 1] == "2" and "--attn-dp-size" not in replicas
+    with pytest.raises(ValueError, match="attn_dp_size=3 must divide tp_size=8"):
+        SGLangServerSpec(model_path="/x", tp_size=8, attn_dp_size=3)
+
+
+class _Engine:
+    """Records the control calls a weight push makes (real SGLang's answers are {"success", "message"})."""
+
+    def __init__(self, log: list, name: str, fail_on_bucket: int | None = None, dp_size: int = 1) -> None:
+        self.log, self.name, self.fail_on_bucket, self.dp_size, self.buckets = log, name, fail_on_bucket, dp_size, 0
+        self.base_url = f"http://{name}"
+
+    def server_info(self):
+        return {"dp_size": self.dp_size, "version": "0.5.22"}
+
+    def __getattr__(self, method):
+        def call(*args, **kwargs):
+            self.log.append((self.name, method, kwargs.get("flush_cache"), kwargs.get("weight_version")))
+            if method == "update_weights_from_distributed":
+                self.buckets += 1
+                if self.buckets == self.fail_on_bucket:
+                    raise SGLangError("bucket refused")
+            return {"success": True, "message": "ok"}
+        return call
+
+
+def _sync(engines) -> DistributedWeightSync:
+    sync = DistributedWeightSync(engines, master_address="127.0.0.1", master_port=_free_port(),
+                                 engine_world_sizes=[1] * len(engines), backend="gloo")
+    sync.group = init_weight_sync_group(backend="gloo", master_address="127.0.0.1", master_port=_free_port(),
+                                        world_size=1, rank=0, group_name=f"push-{id(sync)}", timeout_s=30)
+    return sync
+
+
+def test_weight_push_is_one_paused_session():
+    """B17: SGLang refuses distributed updates outside begin/end and does not pause for them: the pusher does."""
+    import torch.distributed as dist
+
+    log: list = []
+    named = [(f"model.layers.{i}.self_attn.wq_a.weight", torch.zeros(64, 64)) for i in range(3)]
+    sync = _sync([_Engine(log, "a")])
+    try:
+        assert sync.push(named, weight_version="7", bucket_bytes=64 * 64 * 4) == 3
+        methods = [m for _, m, _, _ in log]
+        assert methods == ["pause_generation", "begin_weight_update"] + ["update_weights_from_distributed"] * 3 + [
+            "end_weight_update", "continue_generation"]
+        buckets_sent = [entry for entry in log if entry[1] == "update_weights_from_distributed"]
+        assert [(f, v) for _, _, f, v in buckets_sent] == [(False, None), (False, None), (True, "7")]
+        log.clear()
+        sync.push(named, pause_mode="in_place")  # requests keep their KV: no bucket may ask for a flush
+        assert not any(f for _, m, f, _ in log if m == "update_weights_from_distributed")
+        log.clear()
+        sync.clients = [_Engine(log, "b", fail_on_bucket=2)]
+        with pytest.raises(SGLangError, match="stay paused"):
+            sync.push(named, bucket_bytes=64 * 64 * 4)
+        assert [m for _, m, _, _ in log][-1] == "end_weight_update"  # session closed, generation not resumed
+    finally:
+        dist.destroy_process_group(sync.group)
+        sync._pool.shutdown()
+
+
+def test_weight_sync_refuses_data_parallel_replicas_and_other_sglang_versions():
+    sync = DistributedWeightSync([_Engine([], "r", dp_size=2)], master_address="127.0.0.1", master_port=1,
+                                 engine_world_sizes=[8])
+    with pytest.raises(SGLangError, match="dp_size=2.*--dp-size 1"):
+        sync.connect()
+    sync._pool.shutdown()
+    with pytest.raises(SGLangError, match=f"runs SGLang 0.5.22, but v4rl is pinned to {sglang_version()}"):
+        check_sglang_version(_Engine([], "old"), sglang_version())
+    check_sglang_version(_Engine([], "any"), None)
 
 
 def test_sglang_names_and_buckets_keep_storage_bits():

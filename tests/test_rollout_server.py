@@ -93,10 +93,12 @@ def test_same_seed_same_output_and_sglang_shape(served):
     assert meta["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
     assert [x[1] for x in meta["output_token_logprobs"]] == a["output_ids"]
     assert all(len(x) == 3 and x[2] is None for x in meta["output_token_logprobs"])
-    assert meta["input_token_logprobs"] == [[None, payload["input_ids"][-1], None]]  # logprob_start_len -1
+    assert meta["input_token_logprobs"] == []  # logprob_start_len -1: output tokens only (SGLang)
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert meta["prompt_tokens"] == len(payload["input_ids"]) and meta["completion_tokens"] == 12
     assert meta["weight_version"] == "default" and isinstance(meta["e2e_latency"], float)
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 12}]
+    assert meta["reasoning_tokens"] == 0 and meta["output_token_logprobs_length"] == 12
 
 
 def test_output_logprobs_equal_full_sequence_scoring(served, ours):
@@ -264,9 +266,9 @@ def test_errors_are_400_with_the_reason(served):
     _, client = served
     p = prompts(1)[0]
     cases = [({"input_ids": p, "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
-             ({"input_ids": p, "sampling_params": {"max_tokens": 5}}, "unknown sampling_params"),
+             ({"input_ids": p, "sampling_params": {"max_tokens": 5}}, "unknown field `max_tokens`"),
              ({"input_ids": [0, 999]}, "outside the vocabulary"),
-             ({"input_ids": p, "return_logprob": True, "logprob_start_len": 500}, "logprob_start_len"),
+             ({"input_ids": p, "return_logprob": True, "logprob_start_len": 500}, "higher than the number of input"),
              ({"input_ids": p, "stream": True}, "stream"),
              ({"input_ids": []}, "input_ids"),
              ({"text": "a", "input_ids": p}, "exactly one")]
@@ -274,7 +276,7 @@ def test_errors_are_400_with_the_reason(served):
         with pytest.raises(SGLangHTTPError) as err:
             client.generate(body)
         assert err.value.status == 400 and reason in str(err.value), (body, str(err.value))
-    with pytest.raises(SGLangHTTPError, match="NCCL/RCCL"):
+    with pytest.raises(SGLangHTTPError, match=r"must run between begin_weight_update\(\) and end_weight_update"):
         client.update_weights_from_distributed(names=["x"], dtypes=["bfloat16"], shapes=[[1]])
 
 

@@ -194,7 +194,7 @@ def test_export_with_another_expert_storage_is_refused(tiny_checkpoint, tmp_path
 def test_rocm_fnuz_runtime_is_bit_identical(tiny_checkpoint, updated):
     probe = probe_batch(load_hf_checkpoint(tiny_checkpoint)[0], n=2)
     with Serving(tiny_checkpoint, profile={"fp8_dtype": "e4m3fnuz"}) as client:
-        assert client.server_info()["rocm_fnuz"] is True
+        assert client.server_info()["v4rl"]["rocm_fnuz"] is True
         assert compare(reference_fingerprint(tiny_checkpoint, probe), server_fingerprint(client, probe)).ok
         client.update_weights_from_disk(str(updated))
         assert compare(reference_fingerprint(updated, probe), server_fingerprint(client, probe)).ok

@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(30000, help="TCP port (0: pick a free one and print it)."),
         host: str = typer.Option("127.0.0.1", help="Interface to bind; anything but loopback wants --api-key."),
         api_key: str = typer.Option(None, envvar="V4RL_ROLLOUT_API_KEY",
-                                    help="Require `Authorization: Bearer KEY` on every route but /health*."),
+                                    help="Require `Authorization: Bearer KEY` on every route but /health*, /ready "
+                                         "and /metrics."),
         dtype: str = typer.Option("float32", help="Runtime dtype of the dequantized copies: float32 | bfloat16."),
         max_running_requests: int = typer.Option(1024, help="Requests decoded together at most."),
         weight_version: str = typer.Option("default", help="Initial weight_version reported in responses."),

@@ -52,7 +52,8 @@ MI355X = HardwareProfile(
         "moe_routing": Backend(rollout="Triton FP8 MoE; fused hash top-k", training="Megatron MoE and router path",
                                why="requires the same deterministic hash-routing semantics on both sides"),
         "online_weight_update": Backend(
-            rollout="distributed weight update plus SGLang post_process_weights",
+            rollout="distributed weight update inside /begin_weight_update + /end_weight_update (upstream SGLang's "
+                    "form of the patched post_process_weights route)",
             training="Miles broadcast update from the BF16 actor",
             why="rebuilds quantization-dependent runtime state before generation resumes"),
     },

@@ -75,7 +75,8 @@ class RequestSpec:
     stop_strings: tuple[str, ...] = ()
     return_logprob: bool = False
     logprob_start_len: int = -1
-    """First prompt position with an input logprob entry; -1: the last prompt token only (SGLang)."""
+    """First prompt position with an input logprob entry; -1 or len(input_ids): none, output tokens only
+    (SGLang's reading of -1 with return_logprob)."""
     top_logprobs_num: int = 0
 
 
@@ -94,6 +95,8 @@ class RequestOutput:
     num_retractions: int
     weight_version: str
     e2e_latency: float
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
+    """Which weights produced which output tokens: `[{"version", "start", "end"}]` (SGLang's meta_info)."""
 
 
 @dataclass
@@ -101,6 +104,25 @@ class UpdateResult:
     success: bool
     message: str
     num_paused_requests: int = 0
+
+
+def weight_version_spans(changes: list[tuple[str, int]], current: str, num_output_tokens: int
+                         ) -> list[dict[str, Any]]:
+    """Output-token spans per weight version. `changes` are (version before the change, output tokens the
+    request had then), oldest first; tokens before the first change came from its version, the rest from the
+    next one, and so on up to `current`. Versions that produced no tokens are left out, except that a request
+    with no output yet is attributed to the version in force when it began."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*changes, (current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        start = spans[-1]["end"] if spans else 0
+        if spans and end <= start:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = end
+        else:
+            spans.append({"version": version, "start": start, "end": end})
+    return spans
 
 
 class EngineStopped(RuntimeError):

@@ -50,6 +50,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     RequestOutput,
     RequestSpec,
     UpdateResult,
+    weight_version_spans,
 )
 from engines.rollout.sampling import sample_tokens
 from engines.rollout.weights import (
@@ -57,6 +58,7 @@ from engines.rollout.weights import (
     WeightStore,
     WeightUpdateError,
     prepare_runtime_model,
+    randomize_runtime,
     read_weight_dir,
     rebuild_runtime,
     runtime_checksums,
@@ -81,6 +83,8 @@ class _Request:
         self.next_logits: torch.Tensor | None = None
         self.cached_tokens = 0
         self.num_retractions = 0
+        self.version_changes: list[tuple[str, int]] = []
+        """(weight version replaced, output tokens at that moment) for updates landing mid-request."""
         self.created = time.monotonic()
 
     @property
@@ -107,6 +111,7 @@ class RolloutEngine:
     """Continuous-batching DeepSeek-V4 engine holding FP8/FP4 weights as stored (see module docstring)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        started = time.monotonic()
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.store = WeightStore.from_dir(self.model_dir)
@@ -133,6 +138,8 @@ class RolloutEngine:
                        "weight_updates": 0}
         self._thread = threading.Thread(target=self._loop, name="rollout-scheduler", daemon=True)
         self._thread.start()
+        self.load_seconds = time.monotonic() - started
+        """Seconds from construction to a running scheduler (weights read, runtime copies built)."""
 
     # ================================================================== thread-safe API
     def submit(self, specs: Sequence[RequestSpec]) -> list[Future]:
@@ -176,7 +183,7 @@ class RolloutEngine:
     def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> None:
         if abort_all_requests:
             self.abort(abort_all=True)
-        self._call(lambda: setattr(self, "weight_version", str(version))).result()
+        self._call(lambda: self._set_version(str(version))).result()
 
     def update_weights_from_disk(self, path: str | Path, *, weight_version: str | None = None,
                                  abort_all_requests: bool = False, keep_pause: bool = False,
@@ -233,6 +240,11 @@ class RolloutEngine:
 
         return self._guarded(self._call(end), timeout)
 
+    def reset_runtime_tensors(self, skip: Sequence[str] = ()) -> int:
+        """Overwrite every runtime tensor a weight update rebuilds with random values (SGLang's weights_checker
+        `reset_tensors`: a later update must restore them all); names containing a `skip` entry are kept."""
+        return self._call(lambda: randomize_runtime(self.model, skip)).result()
+
     def checksums(self) -> dict[str, str]:
         """sha256 of every runtime parameter and buffer (what the engine computes with)."""
         return self._call(lambda: runtime_checksums(self.model)).result()
@@ -284,8 +296,8 @@ class RolloutEngine:
         if n >= self.context_length:  # outputs stop at the context length with finish_reason length
             raise ValueError(f"request {s.rid}: {n} prompt tokens leave no room in the context length "
                              f"{self.context_length}")
-        if not -1 <= s.logprob_start_len < n:
-            raise ValueError(f"request {s.rid}: logprob_start_len {s.logprob_start_len} must be -1 or in [0, {n})")
+        if not -1 <= s.logprob_start_len <= n:
+            raise ValueError(f"request {s.rid}: logprob_start_len {s.logprob_start_len} must be -1 or in [0, {n}]")
         if s.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {s.rid}: stop strings need a tokenizer, and {self.model_dir} has none; "
                              "use stop_token_ids")
@@ -428,7 +440,10 @@ class RolloutEngine:
         if not r.spec.return_logprob:
             r.input_logprobs = []
             return
-        start = r.spec.logprob_start_len if r.spec.logprob_start_len >= 0 else n - 1
+        start = r.spec.logprob_start_len if r.spec.logprob_start_len >= 0 else n
+        if start >= n:  # output tokens only
+            r.input_logprobs, r.input_top = [], []
+            return
         r.input_logprobs = [None] + token_lp[start:n - 1]
         if r.spec.top_logprobs_num:
             r.input_top = [None] + (top[start:n - 1] if top is not None else [])
@@ -491,12 +506,14 @@ class RolloutEngine:
 
     def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
         r.next_logits = None
+        spans = weight_version_spans(r.version_changes, self.weight_version, len(r.output_ids))
         out = RequestOutput(
             rid=r.spec.rid, input_ids=r.spec.input_ids, output_ids=r.output_ids, finish_reason=reason,
             output_logprobs=r.output_logprobs, output_top_logprobs=r.output_top,
             input_logprobs=r.input_logprobs or [], input_top_logprobs=r.input_top,
-            cached_tokens=r.cached_tokens, num_retractions=r.num_retractions, weight_version=self.weight_version,
-            e2e_latency=time.monotonic() - r.created)
+            cached_tokens=r.cached_tokens, num_retractions=r.num_retractions,
+            weight_version=spans[-1]["version"],  # the weights of its last tokens (SGLang's meta_info)
+            e2e_latency=time.monotonic() - r.created, weight_versions=spans)
         if not r.future.done():
             r.future.set_result(out)
 
@@ -535,7 +552,16 @@ class RolloutEngine:
         self._prefix.clear()
         self._stats["weight_updates"] += 1
         if version is not None:
-            self.weight_version = str(version)
+            self._set_version(str(version))
+
+    def _set_version(self, version: str) -> None:
+        """Switch the weight version, noting it on every request that already has output (its spans)."""
+        if version == self.weight_version:
+            return
+        for r in list(self._waiting) + self._running:
+            if r.output_ids:
+                r.version_changes.append((self.weight_version, len(r.output_ids)))
+        self.weight_version = version
 
 
 def _topk_rows(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:

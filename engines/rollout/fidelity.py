@@ -147,8 +147,9 @@ def check_fidelity(client: SGLangClient, model_dir: str | Path, *, probe: Sequen
     """Compare the live server with a fresh engine on `model_dir` (the directory just loaded into it)."""
     info = client.server_info()
     probe = probe or probe_batch(read_config(model_dir)[0])
+    own = info.get("v4rl") or {}  # the embedded server's extensions; real SGLang has none
     reference = reference_fingerprint(model_dir, probe, dtype=info.get("dtype", "float32"),
-                                      profile={"rocm_fnuz": bool(info.get("rocm_fnuz", False))})
+                                      profile={"rocm_fnuz": bool(own.get("rocm_fnuz", False))})
     if expected_checksums is not None:
         reference.checksums = dict(expected_checksums)
     report = compare(reference, server_fingerprint(client, probe))

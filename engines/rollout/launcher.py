@@ -8,13 +8,18 @@ running the server on its node and reporting its URL; the fleet is handed back o
 server answers /health, and is stopped (process groups killed) on any failure. The environment sets
 SGLANG_RETURN_ORIGINAL_LOGPROB=1 so real SGLang returns the RAW logprobs our embedded engine returns.
 
-Weight sync (SGLang's protocol, reference/miles-sglang-megatron.md §2.2): the trainer is rank 0 of a
-dedicated process group (TCP store at master_address:master_port, prefixed by the group name); engine
-i's TP ranks are 1 + sum(tp sizes before i) onward. For every bucket the trainer POSTs names, dtypes and
-shapes to each engine and broadcasts the tensors from rank 0 in the same order. The announced dtype is
-the tensor's own and its bytes travel untouched (float8 as a uint8 view, `wire_view`), so FP8 E4M3
-weights, packed FP4 (int8) and UE8M0 scales arrive as the same bits, never value-converted; names are
-SGLang's (`sglang_named_tensors`).
+Weight sync (SGLang 0.5.23's protocol, reference/miles-sglang-megatron.md §2.2, conformance.md B17): the
+trainer is rank 0 of a dedicated process group (TCP store at master_address:master_port, prefixed by the
+group name); engine i's TP ranks are 1 + sum(tp sizes before i) onward. A push is always one session, the
+order Miles uses: /pause_generation (the caller's job: SGLang keeps generating during a session, and
+tokens from half-updated weights would be trained on), /begin_weight_update (restores the canonical
+layout), one /update_weights_from_distributed per bucket (SGLang refuses them outside a session) while
+the tensors are broadcast from rank 0 in the same order, /end_weight_update (rebuilds the quantized
+runtime state), /continue_generation. A failure closes the session and leaves generation paused. The
+announced dtype is the tensor's own and its bytes travel untouched (float8 as a uint8 view, `wire_view`),
+so FP8 E4M3 weights, packed FP4 (int8) and UE8M0 scales arrive as the same bits, never value-converted;
+names are SGLang's (`sglang_named_tensors`). SGLang serves weight-sync routes only with `--dp-size 1`;
+attention data parallelism inside an engine is `--attn-dp-size` (B18).
 
 The launch and the sync need GPUs (tests marked `gpu`); the command line, the bucket metadata and
 the process-group protocol (gloo) are tested on CPU.
@@ -45,6 +50,7 @@ from typing import Any
 import torch
 
 from checkpoints.names import native_to_sglang_name
+from engines.engine_sources import sglang_version
 from engines.rollout.sglang import SGLangClient, SGLangError
 
 
@@ -57,7 +63,13 @@ class SGLangServerSpec:
     tp_size: int = 8
     """GPUs per engine (one Ray actor reserves this many)."""
     ep_size: int = 1
+    """--ep-size: expert parallelism inside the engine (must divide tp_size)."""
+    attn_dp_size: int = 1
+    """--attn-dp-size: data-parallel attention groups inside the TP group (the FFN stays tensor parallel); must
+    divide tp_size. The run presets' `engine_dp` means this."""
     dp_size: int = 1
+    """--dp-size: data-parallel REPLICAS of the whole model inside one server. SGLang's weight-sync routes
+    assert dp_size == 1, so an RL rollout engine keeps 1 and scales out with more engines instead."""
     mem_fraction_static: float = 0.8
     max_running_requests: int | None = None
     max_total_tokens: int | None = None
@@ -66,6 +78,9 @@ class SGLangServerSpec:
     api_key: str | None = None
     deterministic: bool = False
     """--enable-deterministic-inference (SGLang honours sampling_seed only then)."""
+    sglang_version: str | None = field(default_factory=sglang_version)
+    """The SGLang version the servers must report (/server_info `version`): pyproject's `cluster` pin, the one the
+    conformance suite checks v4rl against. A fleet running another is refused; None skips the check."""
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     python: str = sys.executable
@@ -73,12 +88,13 @@ class SGLangServerSpec:
     @classmethod
     def from_preset(cls, model_path: str, preset: Any, profile: Any = None, **overrides: Any) -> "SGLangServerSpec":
         """Sizes from a run preset's rollout section (`engines.launch.RunPreset.rollout`: engine_tp, engine_ep,
-        engine_dp, max_running_requests, max_total_tokens, context_length, mem_fraction_static); environment
+        engine_dp (DP attention, so --attn-dp-size), max_running_requests, max_total_tokens, context_length,
+        mem_fraction_static); environment
         and interpreter from a hardware profile (`engines.profiles.HardwareProfile`: comm_env, launcher_env,
         python). Keyword overrides win."""
         r = preset.rollout
         fields: dict[str, Any] = dict(
-            model_path=str(model_path), tp_size=r.engine_tp, ep_size=r.engine_ep, dp_size=r.engine_dp,
+            model_path=str(model_path), tp_size=r.engine_tp, ep_size=r.engine_ep, attn_dp_size=r.engine_dp,
             max_running_requests=r.max_running_requests, max_total_tokens=r.max_total_tokens,
             context_length=r.context_length, mem_fraction_static=r.mem_fraction_static)
         if profile is not None:
@@ -88,8 +104,15 @@ class SGLangServerSpec:
         return cls(**fields)
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.ep_size < 1 or self.dp_size < 1:
-            raise ValueError(f"tp/ep/dp sizes must be >= 1; got {self.tp_size}/{self.ep_size}/{self.dp_size}")
+        sizes = {"tp_size": self.tp_size, "ep_size": self.ep_size, "attn_dp_size": self.attn_dp_size,
+                 "dp_size": self.dp_size}
+        bad = {k: v for k, v in sizes.items() if v < 1}
+        if bad:
+            raise ValueError(f"SGLang parallel sizes must be >= 1; got {bad}")
+        for name in ("ep_size", "attn_dp_size"):
+            if self.tp_size % sizes[name]:
+                raise ValueError(f"{name}={sizes[name]} must divide tp_size={self.tp_size} (SGLang splits the TP "
+                                 f"group into {name} groups); pick a divisor of {self.tp_size}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must lie in (0, 1); got {self.mem_fraction_static}")
 
@@ -103,6 +126,7 @@ def build_launch_command(spec: SGLangServerSpec, *, host: str | None = None, por
     cmd += ["--tp-size", str(spec.tp_size), "--mem-fraction-static", str(spec.mem_fraction_static),
             "--trust-remote-code", "--weight-version", spec.weight_version]
     for flag, value in (("--ep-size", spec.ep_size if spec.ep_size > 1 else None),
+                        ("--attn-dp-size", spec.attn_dp_size if spec.attn_dp_size > 1 else None),
                         ("--dp-size", spec.dp_size if spec.dp_size > 1 else None),
                         ("--max-running-requests", spec.max_running_requests),
                         ("--max-total-tokens", spec.max_total_tokens), ("--context-length", spec.context_length),
@@ -201,10 +225,22 @@ def launch_sglang_servers(spec: SGLangServerSpec, num_engines: int, *, ready_tim
                     raise SGLangError(f"SGLang server {client.base_url} {why}; command: "
                                       f"{shlex.join(build_launch_command(spec, host='<node>', port=0))}\n{tail}")
                 time.sleep(2.0)
+            check_sglang_version(client, spec.sglang_version)
     except BaseException:
         fleet.stop()
         raise
     return fleet
+
+
+def check_sglang_version(client: SGLangClient, expected: str | None) -> None:
+    """Refuse a server whose SGLang is not the pinned one: what v4rl sends was proven against that version only."""
+    if expected is None:
+        return
+    running = client.server_info().get("version")
+    if running != expected:
+        raise SGLangError(f"{client.base_url} runs SGLang {running}, but v4rl is pinned to {expected} (pyproject.toml "
+                          f"`cluster` extra): install sglang=={expected} on the rollout nodes, or bump the pin and "
+                          "rerun the conformance suite (tests/conformance), which names what changed")
 
 
 # ---------------------------------------------------------------------------------------------- weight sync
@@ -297,6 +333,12 @@ class DistributedWeightSync:
         return 1 + sum(self.sizes)
 
     def connect(self) -> None:
+        """Join every engine's weight-update group (each must run with --dp-size 1, SGLang's condition)."""
+        for c in self.clients:
+            dp = c.server_info().get("dp_size", 1)
+            if dp != 1:
+                raise SGLangError(f"{c.base_url} runs with dp_size={dp}; SGLang serves weight updates only with "
+                                  "--dp-size 1 (use --attn-dp-size for DP attention, more engines for replicas)")
         offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
         calls = [self._pool.submit(c.init_weights_update_group, master_address=self.master_address,
                                    master_port=self.master_port, rank_offset=o, world_size=self.world_size,
@@ -309,28 +351,43 @@ class DistributedWeightSync:
             f.result()
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], *, weight_version: str | None = None,
-             bucket_bytes: int = 1 << 30, session: bool = True) -> int:
-        """Broadcast all tensors bucket by bucket; returns the number of buckets. With `session`, wraps the
-        transfer in /begin_weight_update ... /end_weight_update so engines post-process before resuming."""
-        import torch.distributed as dist
-
+             bucket_bytes: int = 1 << 30, pause_mode: str = "retract") -> int:
+        """Broadcast all tensors bucket by bucket in one weight-update session with generation paused (see the
+        module docstring); returns the number of buckets. `pause_mode` retract (Miles' default) recomputes the
+        paused requests' KV under the new weights and lets the last bucket flush the cache; in_place keeps
+        their KV, so no bucket asks for a flush (SGLang would refuse it with requests in place)."""
         if self.group is None:
             raise RuntimeError("call connect() before push()")
-        if session:
-            self._everywhere("begin_weight_update")
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode must be abort, retract or in_place; got {pause_mode!r}")
         batches = list(buckets(named, bucket_bytes))
-        for k, bucket in enumerate(batches):
-            last = k == len(batches) - 1
-            calls = [self._pool.submit(c.update_weights_from_distributed, **bucket_metadata(bucket),
-                                       group_name=self.group_name, flush_cache=last,
-                                       weight_version=weight_version if last else None) for c in self.clients]
-            for _, t in bucket:
-                dist.broadcast(wire_view(t), src=0, group=self.group)
-            for f in calls:
-                f.result()
-        if session:
-            self._everywhere("end_weight_update")
+        self._everywhere("pause_generation", pause_mode)
+        self._everywhere("begin_weight_update")
+        try:
+            for k, bucket in enumerate(batches):
+                last = k == len(batches) - 1
+                self._send_bucket(bucket, flush_cache=last and pause_mode != "in_place",
+                                  weight_version=weight_version if last else None)
+        except BaseException as exc:
+            self._everywhere("end_weight_update")  # leave no session open; generation stays paused
+            raise SGLangError(f"weight push failed ({exc}); the engines hold partly updated weights and stay "
+                              "paused: push again, or restart them from a checkpoint") from exc
+        self._everywhere("end_weight_update")
+        self._everywhere("continue_generation")
         return len(batches)
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], *, flush_cache: bool,
+                     weight_version: str | None) -> None:
+        """Announce one bucket to every engine and broadcast its tensors (rank 0), in the announced order."""
+        import torch.distributed as dist
+
+        calls = [self._pool.submit(c.update_weights_from_distributed, **bucket_metadata(bucket),
+                                   group_name=self.group_name, flush_cache=flush_cache,
+                                   weight_version=weight_version) for c in self.clients]
+        for _, t in bucket:
+            dist.broadcast(wire_view(t), src=0, group=self.group)
+        for f in calls:
+            f.result()
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -1,19 +1,32 @@
-"""SGLang's native `/generate` request and response, mapped onto the engine (sglang 0.5.23 field names).
+"""SGLang's native `/generate` request and response, mapped onto the engine (sglang 0.5.23 semantics).
 
 Request (`GenerateReqInput`, reference/miles-sglang-megatron.md §2.1): `text` or `input_ids`, single or
 batched; `sampling_params` (one dict, or one per item); `return_logprob`, `logprob_start_len`,
 `top_logprobs_num`, `return_text_in_logprobs`, `rid` (each scalar or one per item). `sampling_params.n`
-expands every item into n samples, item-major. Unknown sampling keys are refused (SGLang raises too);
-features the embedded engine does not have (penalties, grammars, logit_bias, min_p, streaming, LoRA,
-routed-expert capture, ...) are refused when set to anything but their default, never silently ignored.
+expands every item into n samples, item-major. As in SGLang:
+  - null sampling values mean "use the default" (null `max_new_tokens`: up to the context length), and an
+    empty grammar (`regex`, `json_schema`, `ebnf`, `structural_tag`: ""), `stop_regex: []`, `logit_bias: {}`
+    or `custom_params: {}` means "unset" (SGLang's own `RuntimeEndpoint` always sends `stop_regex: []`);
+  - a string `rid` with a batch names its samples `rid_0`, `rid_1`, ...; per-item lists of
+    `return_logprob` / `logprob_start_len` / `top_logprobs_num` are refused with n > 1, and every item
+    must ask for the same n;
+  - `logprob_start_len` -1 with `return_logprob` means "output tokens only" (`input_token_logprobs: []`),
+    any value up to len(prompt) is allowed, and it is ignored without `return_logprob`;
+  - an unknown sampling key is refused with SGLang's contract text, `{"error": "unknown field `x`, expected
+    one of ..."}` (its generated decoder, `sglang/api/v1/api_types.py`); other refusals are
+    `{"error": {"message": ...}}`, SGLang's shape for a ValueError.
+Features the embedded engine does not have (penalties, grammars, logit_bias, min_p, streaming, LoRA,
+routed-expert capture, beam search, ...) are refused when set to anything but "unset", never ignored.
 
 Response per item: `{"text", "output_ids", "meta_info"}` with `meta_info` = `id`, `finish_reason`
 (`{"type": "stop", "matched"}` | `{"type": "length", "length"}` | `{"type": "abort", "message", ...}`),
-`prompt_tokens`, `completion_tokens`, `cached_tokens`, `weight_version`, `num_retractions`,
-`e2e_latency`, and with `return_logprob`: `input_token_logprobs` / `output_token_logprobs` as
-`[logprob, token_id, text_or_null]` lists (the first input entry's logprob is null, as in SGLang),
-plus `output_token_logprobs_length` and top-k lists when `top_logprobs_num > 0`. A single item gives a
-dict, a batch (or n > 1) a list.
+`prompt_tokens`, `completion_tokens`, `cached_tokens`, `reasoning_tokens` (0: no reasoning parser runs,
+as in SGLang without `--reasoning-parser`), `weight_version` and `weight_versions` (which weights produced
+which output tokens: `[{"version", "start", "end"}]`, more than one span when an update landed mid-request),
+`num_retractions`, `e2e_latency`, and with `return_logprob`: `input_token_logprobs` /
+`output_token_logprobs` as `[logprob, token_id, text_or_null]` lists (the first input entry's logprob is
+null, as in SGLang), `output_token_logprobs_length`, and top-k lists when `top_logprobs_num > 0`. A single
+item gives a dict, a batch (or n > 1) a list.
 
 Seeds: with `sampling_params.sampling_seed`, sample j of a prompt is seeded from (seed, j, the prompt's
 tokens): the same seed and prompt give the same output alone or anywhere in a batch, and the prompts of
@@ -30,26 +43,50 @@ from typing import Any
 from engines.rollout.engine import RequestOutput, RequestSpec
 from engines.rollout.sampling import SamplingParams
 
-SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_new_tokens", "stop", "stop_token_ids",
-                      "ignore_eos", "n", "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens",
-                      "no_stop_trim", "stream_interval"}
-"""Keys of SGLang's SamplingParams the embedded engine honours (the last three shape text only)."""
+SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+                   "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                   "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                   "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+                   "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
+"""SGLang 0.5.23's SamplingParams contract fields, in its schema's order (the unknown-field message lists them)."""
 UNSUPPORTED_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                        "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None,
-                        "logit_bias": None, "custom_params": None}
-"""SGLang sampling keys accepted only at these defaults."""
-UNSUPPORTED_REQUEST = ("stream", "lora_path", "input_embeds", "image_data", "return_routed_experts",
-                       "return_indexer_topk", "return_entropy", "custom_logit_processor", "token_ids_logprob",
-                       "return_hidden_states")
-"""Top-level GenerateReqInput fields refused when truthy."""
+                        "json_schema": "", "regex": "", "ebnf": "", "structural_tag": "", "stop_regex": [],
+                        "logit_bias": {}, "custom_params": {}, "beam_width": 1, "watermark": None, "choice": []}
+"""SGLang sampling keys the embedded engine has no feature for, each with its "unset" value (null is unset too)."""
+TOP_K_ALL = 1 << 30
+"""SGLang's top_k for "the whole vocabulary" (its schema's default); -1 here."""
+UNLIMITED_NEW_TOKENS = 1 << 30
+"""A null max_new_tokens: generate until a stop or the context length (SGLang's reading)."""
+UNSUPPORTED_REQUEST = ("stream", "lora_path", "input_embeds", "image_data", "video_data", "audio_data",
+                       "return_routed_experts", "return_indexer_topk", "return_entropy", "custom_logit_processor",
+                       "token_ids_logprob", "return_hidden_states", "session_params", "return_sampling_mask")
+"""Top-level GenerateReqInput fields refused when truthy (an empty list or dict counts as unset)."""
+LOGPROB_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
 class RequestError(ValueError):
     """A malformed or unsupported /generate request (HTTP 400); the message says which field and why."""
 
+    def body(self) -> dict[str, Any]:
+        """The JSON body SGLang answers a ValueError from request normalisation with."""
+        return {"error": {"message": str(self)}}
+
+
+class ContractError(RequestError):
+    """A body SGLang's schema gate refuses; its 400 body is `{"error": "<the schema's text>"}`."""
+
+    def body(self) -> dict[str, Any]:
+        return {"error": str(self)}
+
+
+def unknown_field_message(key: str, fields: tuple[str, ...] = SAMPLING_FIELDS) -> str:
+    """serde's unknown-field text, which SGLang's generated decoder reproduces word for word."""
+    listed = ", ".join(f"`{f}`" for f in fields)
+    return f"unknown field `{key}`, expected one of {listed}"
+
 
 def parse_generate(body: Any, tokenizer=None) -> tuple[list[RequestSpec], bool, dict[str, Any]]:
-    """GenerateReqInput JSON -> (one RequestSpec per sample, whether the input was batched, text options)."""
+    """GenerateReqInput JSON -> (one RequestSpec per sample, whether the answer is a list, response options)."""
     if not isinstance(body, dict):
         raise RequestError("the /generate body must be a JSON object")
     for key in UNSUPPORTED_REQUEST:
@@ -58,28 +95,38 @@ def parse_generate(body: Any, tokenizer=None) -> tuple[list[RequestSpec], bool, 
     prompts, batched = _prompts(body, tokenizer)
     size = len(prompts)
     params = _per_item(body.get("sampling_params"), size, "sampling_params", {})
+    for p in params:
+        unknown = [k for k in p if k not in SAMPLING_FIELDS]
+        if unknown:
+            raise ContractError(unknown_field_message(unknown[0]))
+    n = _parallel_sample_num(params)
+    if n > 1:
+        for name in LOGPROB_OPTIONS:
+            if isinstance(body.get(name), list):
+                raise RequestError(f"Cannot use list {name} with parallel_sample_num > 1")
     return_logprob = _per_item(body.get("return_logprob"), size, "return_logprob", False)
     start = _per_item(body.get("logprob_start_len"), size, "logprob_start_len", -1)
     top = _per_item(body.get("top_logprobs_num"), size, "top_logprobs_num", 0)
-    rids = _per_item(body.get("rid"), size, "rid", None)
+    rids = _sample_rids(body.get("rid"), size, n, batched)
     specs: list[RequestSpec] = []
-    sample_params: list[dict[str, Any]] = []  # the sampling_params of each sample (text shaping)
+    per_sample: list[dict[str, Any]] = []  # what shapes each sample's response (text, logprob fields)
     for i, ids in enumerate(prompts):
-        sampling, n, seed, min_new, stop = _sampling(params[i], tokenizer)
-        rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
-        sample_params += [params[i]] * n
+        sampling, seed, min_new, stop = _sampling(params[i], tokenizer)
+        wants_logprob = bool(return_logprob[i])
+        first = _logprob_start(_int(start[i], "logprob_start_len"), len(ids)) if wants_logprob else -1
         for j in range(n):
+            per_sample.append({**params[i], "return_logprob": wants_logprob,
+                               "top_logprobs_num": _int(top[i], "top_logprobs_num")})
             specs.append(RequestSpec(
-                rid=str(rid) if n == 1 else f"{rid}_{j}", input_ids=ids, sampling=sampling,
+                rid=rids[i * n + j], input_ids=ids, sampling=sampling,
                 seed=sample_seed(seed, j, ids) if seed is not None else secrets.randbits(63),
-                min_new_tokens=min_new, stop_strings=stop, return_logprob=bool(return_logprob[i]),
-                logprob_start_len=_int(start[i], "logprob_start_len"),
-                top_logprobs_num=_int(top[i], "top_logprobs_num")))
+                min_new_tokens=min_new, stop_strings=stop, return_logprob=wants_logprob,
+                logprob_start_len=first, top_logprobs_num=_int(top[i], "top_logprobs_num")))
     if len({s.rid for s in specs}) != len(specs):
         raise RequestError("rid values must be unique within one request")
-    text_options = {"return_text_in_logprobs": bool(body.get("return_text_in_logprobs", False)),
-                    "params": sample_params}
-    return specs, batched or len(specs) > size, text_options
+    options = {"return_text_in_logprobs": bool(body.get("return_text_in_logprobs") or False),
+               "samples": per_sample}
+    return specs, batched or n > 1, options
 
 
 def sample_seed(seed: int, sample: int, input_ids: list[int]) -> int:
@@ -123,23 +170,57 @@ def _per_item(value: Any, size: int, name: str, default: Any) -> list[Any]:
     return values
 
 
+def _parallel_sample_num(params: list[dict[str, Any]]) -> int:
+    counts = {1 if p.get("n") is None else p["n"] for p in params}
+    if len(counts) > 1:
+        raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+    n = _int(counts.pop(), "n")
+    if n < 1:
+        raise RequestError(f"sampling_params.n must be >= 1; got {n}")
+    return n
+
+
+def _sample_rids(rid: Any, size: int, n: int, batched: bool) -> list[str]:
+    """One rid per sample, item-major: a list names each item (its samples `<rid>_<j>` when n > 1), one string
+    names the samples `<rid>_0`, `<rid>_1`, ... (a single prompt with n == 1 keeps it as is)."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(size * n)]
+    if isinstance(rid, str):
+        return [rid] if size * n == 1 and not batched else [f"{rid}_{k}" for k in range(size * n)]
+    if isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != size:
+            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.")
+        return [r if n == 1 else f"{r}_{j}" for r in rid for j in range(n)]
+    raise RequestError("The rid should be a string or a list of strings.")
+
+
+def _logprob_start(start: int, prompt_len: int) -> int:
+    """SGLang's reading: -1 is "output tokens only" (start at the end of the prompt); beyond the prompt is refused."""
+    if start == -1:
+        return prompt_len
+    if start < -1 or start > prompt_len:
+        raise RequestError(f"logprob_start_len={start} is higher than the number of input tokens {prompt_len}; "
+                           "use a smaller logprob_start_len" if start > prompt_len else
+                           f"logprob_start_len must be -1 or in [0, {prompt_len}]; got {start}")
+    return start
+
+
 def _int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{name!r} must be an integer; got {value!r}")
     return value
 
 
-def _sampling(p: dict[str, Any], tokenizer) -> tuple[SamplingParams, int, int | None, int, tuple[str, ...]]:
-    unknown = sorted(set(p) - SUPPORTED_SAMPLING - set(UNSUPPORTED_SAMPLING))
-    if unknown:
-        raise RequestError(f"unknown sampling_params keys {unknown}; SGLang's SamplingParams has no such fields")
-    for key, default in UNSUPPORTED_SAMPLING.items():
-        if key in p and p[key] != default and p[key] is not None:
+def _is_unset(value: Any, unset: Any) -> bool:
+    # stop_regex "" is not unset in SGLang: an empty pattern matches at once and stops every sample
+    return value is None or (value == unset and type(value) is type(unset))
+
+
+def _sampling(p: dict[str, Any], tokenizer) -> tuple[SamplingParams, int | None, int, tuple[str, ...]]:
+    for key, unset in UNSUPPORTED_SAMPLING.items():
+        if key in p and not _is_unset(p[key], unset):
             raise RequestError(f"sampling_params.{key}={p[key]!r} is not supported by the embedded v4rl engine "
-                               f"(only {default!r}); drop it or use a real SGLang server")
-    n = _int(p.get("n", 1), "n")
-    if n < 1:
-        raise RequestError(f"sampling_params.n must be >= 1; got {n}")
+                               f"(only unset: null or {unset!r}); drop it or use a real SGLang server")
     stop = p.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stop):
@@ -147,52 +228,63 @@ def _sampling(p: dict[str, Any], tokenizer) -> tuple[SamplingParams, int, int | 
     seed = p.get("sampling_seed")
     if seed is not None:
         seed = _int(seed, "sampling_seed")
-    top_k = p.get("top_k", -1)
+    top_k = _int(_default(p, "top_k", -1), "top_k")
+    max_new = _default(p, "max_new_tokens", 128)
     try:
         sampling = SamplingParams(
-            temperature=float(p.get("temperature", 1.0)), top_p=float(p.get("top_p", 1.0)),
-            top_k=-1 if top_k is None else _int(top_k, "top_k"),
-            max_new_tokens=_int(p.get("max_new_tokens", 128), "max_new_tokens"),
+            temperature=float(_default(p, "temperature", 1.0)), top_p=float(_default(p, "top_p", 1.0)),
+            top_k=-1 if top_k >= TOP_K_ALL else top_k,
+            max_new_tokens=UNLIMITED_NEW_TOKENS if max_new is None else _int(max_new, "max_new_tokens"),
             stop_token_ids=[_int(t, "stop_token_ids") for t in (p.get("stop_token_ids") or [])],
-            ignore_eos=bool(p.get("ignore_eos", False)))
+            ignore_eos=bool(_default(p, "ignore_eos", False)))
     except (TypeError, ValueError) as exc:
         raise RequestError(f"sampling_params: {exc}") from None
-    min_new = _int(p.get("min_new_tokens", 0), "min_new_tokens")
-    return sampling, n, seed, min_new, stop
+    min_new = _int(_default(p, "min_new_tokens", 0), "min_new_tokens")
+    return sampling, seed, min_new, stop
+
+
+def _default(p: dict[str, Any], key: str, default: Any) -> Any:
+    """The value of a sampling key, null meaning its default (SGLang's SamplingParams.__post_init__)."""
+    value = p.get(key)
+    if value is None and key == "max_new_tokens" and key in p:
+        return None  # explicit null: no limit but the context length
+    return default if value is None else value
 
 
 # ---------------------------------------------------------------------------------------------- responses
-def build_response(outputs: list[RequestOutput], batched: bool, text_options: dict[str, Any], tokenizer=None) -> Any:
-    items = [_item(o, params, text_options["return_text_in_logprobs"], tokenizer)
-             for o, params in zip(outputs, text_options["params"])]
+def build_response(outputs: list[RequestOutput], batched: bool, options: dict[str, Any], tokenizer=None) -> Any:
+    items = [_item(o, sample, options["return_text_in_logprobs"], tokenizer)
+             for o, sample in zip(outputs, options["samples"])]
     return items if batched else items[0]
 
 
-def _item(o: RequestOutput, params: dict[str, Any], with_text: bool, tokenizer) -> dict[str, Any]:
+def _item(o: RequestOutput, sample: dict[str, Any], with_text: bool, tokenizer) -> dict[str, Any]:
     def entry(logprob: float | None, tok: int) -> list[Any]:
         return [logprob, tok, tokenizer.decode([tok]) if with_text and tokenizer is not None else None]
 
     meta: dict[str, Any] = {
         "id": o.rid, "finish_reason": o.finish_reason, "prompt_tokens": len(o.input_ids),
-        "completion_tokens": len(o.output_ids), "cached_tokens": o.cached_tokens,
-        "weight_version": o.weight_version, "num_retractions": o.num_retractions, "e2e_latency": o.e2e_latency}
-    if o.input_logprobs:
+        "completion_tokens": len(o.output_ids), "cached_tokens": o.cached_tokens, "reasoning_tokens": 0,
+        "weight_version": o.weight_version, "weight_versions": o.weight_versions,
+        "num_retractions": o.num_retractions, "e2e_latency": o.e2e_latency}
+    if sample["return_logprob"]:
         start = len(o.input_ids) - len(o.input_logprobs)
         meta["input_token_logprobs"] = [entry(lp, o.input_ids[start + k]) for k, lp in enumerate(o.input_logprobs)]
         meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(o.output_logprobs, o.output_ids)]
         meta["output_token_logprobs_length"] = len(o.output_ids)
-        if o.output_top_logprobs or o.input_top_logprobs:
+        if sample["top_logprobs_num"] > 0:
             meta["input_top_logprobs"] = [None if row is None else [entry(lp, t) for lp, t in row]
                                           for row in o.input_top_logprobs]
             meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in o.output_top_logprobs]
-    return {"text": _text(o, params, tokenizer), "output_ids": o.output_ids, "meta_info": meta}
+    return {"text": _text(o, sample, tokenizer), "output_ids": o.output_ids, "meta_info": meta}
 
 
 def _text(o: RequestOutput, params: dict[str, Any], tokenizer) -> str:
     if tokenizer is None:
         return ""
-    text = tokenizer.decode(o.output_ids, skip_special_tokens=bool(params.get("skip_special_tokens", True)))
+    skip = params.get("skip_special_tokens")
+    text = tokenizer.decode(o.output_ids, skip_special_tokens=True if skip is None else bool(skip))
     matched = o.finish_reason.get("matched")
-    if isinstance(matched, str) and not params.get("no_stop_trim", False) and matched in text:
+    if isinstance(matched, str) and not params.get("no_stop_trim") and matched in text:
         text = text[:text.index(matched)]
     return text

@@ -1,18 +1,36 @@
-"""SGLang-compatible HTTP server over the embedded rollout engine (sglang 0.5.23 native API).
+"""SGLang-compatible HTTP server over the embedded rollout engine (SGLang 0.5.23's native API and semantics).
 
-Routes (reference/miles-sglang-megatron.md §2; bodies and responses as SGLang's http_server):
-  POST /generate                    text | input_ids (single or batch), sampling_params, return_logprob, ...
-  GET  /health, /health_generate    200 when the scheduler is alive / can generate one token (200 while paused)
-  GET  /model_info, /server_info    (also /get_model_info, /get_server_info, /get_weight_version)
-  POST /pause_generation            {"mode": "abort" | "retract" | "in_place"}
-  POST /continue_generation, /abort_request {"rid", "abort_all"}, GET|POST /flush_cache
-  POST /update_weights_from_disk    {"model_path", "weight_version", "abort_all_requests", "keep_pause"}; the
-                                    prefix cache is always flushed (its KV belongs to the old weights)
-  POST /begin_weight_update, /end_weight_update, /update_weight_version {"new_version", "abort_all_requests"}
-  POST /weights_checker             {"action": "checksum"} -> per-tensor sha256 of the runtime copies
-  /init_weights_update_group and /update_weights_from_distributed answer 400: NCCL/RCCL sync needs GPUs.
-Weight endpoints answer `{"success", "message"}`, HTTP 400 on failure. With an API key, every route but
-/health* needs `Authorization: Bearer <key>` (SGLang's rule); 401 `{"error": "Unauthorized"}` otherwise.
+Routes (bodies, defaults and replies as SGLang's `entrypoints/http_server.py`; reference/conformance.md part B):
+  POST /generate                    see protocol.py (null = default, empty grammar = unset, rid expansion, ...)
+  GET  /health, /health_generate    both run SGLang's one-token generation probe: 200 once the scheduler
+                                    answers anything, 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), e.g.
+                                    while paused; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 makes /health
+                                    a liveness check (SGLang's switch)
+  GET  /ready                       200 while accepting requests, 503 while paused
+  GET  /model_info, /server_info    (and the deprecated /get_model_info, /get_server_info) SGLang's fields;
+                                    a disk update moves `model_path`, `served_model_name`, `load_format`
+  POST /pause_generation {"mode"}, /continue_generation, /abort_request {"rid", "abort_all"}
+  GET|POST /flush_cache?timeout=S   waits up to S seconds for idle, then flushes (400 if still busy)
+  POST /update_weights_from_disk, /begin_weight_update, /end_weight_update, /update_weight_version
+  GET|POST /weights_checker         actions snapshot | reset_tensors | compare | checksum
+  /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
+  /update_weights_from_tensor       validated as SGLang does, then 400: NCCL/RCCL and CUDA IPC need GPUs
+Control bodies are required where SGLang requires them (`control.py`): an empty body is a 400 in SGLang's
+validation shape. Weight endpoints answer `{"success", "message"}`, HTTP 400 on failure. With an API key,
+every route but /health*, /ready and /metrics needs `Authorization: Bearer <key>` (scheme case-insensitive,
+as SGLang's auth.py); 401 `{"error": "Unauthorized"}` otherwise. No route SGLang 0.5.23 lacks is served.
+
+Deliberate differences from SGLang (also in the README's "Rollout server" section):
+  - generation is held inside a begin/end weight-update session and weight updates wait until nothing
+    runs (unless paused); SGLang keeps generating during a session, so its callers pause first, as
+    `launcher.DistributedWeightSync` does for both;
+  - /update_weights_from_disk inside a session stages the directory (a bucket) and applies it at
+    /end_weight_update; outside one it loads, rebuilds and flushes the prefix cache in one step
+    (`flush_cache: false` cannot keep KV that belongs to the old weights);
+  - /weights_checker hashes the embedded engine's runtime tensors under v4rl's native names with sha256
+    (the fidelity gate compares them exactly); SGLang's 16-hex hashes of its own dequantized parameters
+    are not comparable across engines anyway;
+  - /server_info reports the ServerArgs fields this engine has a value for, plus v4rl's own under "v4rl".
 
 The server binds 127.0.0.1 unless told otherwise. Blocking engine calls run in a worker thread; a
 client that disconnects mid-/generate has its requests aborted. `v4rl serve-rollout` sets
@@ -28,130 +46,116 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from engines.rollout.engine import PAUSE_MODES, EngineStopped, RequestSpec, RolloutEngine
+from engines.rollout import control
+from engines.rollout.engine import EngineStopped, RolloutEngine
+from engines.rollout.health import HealthProbe
+from engines.rollout.info import ServingState
 from engines.rollout.protocol import RequestError, build_response, parse_generate
-from engines.rollout.sampling import SamplingParams
+from engines.rollout.weights_checker import WeightsChecker
 
 log = logging.getLogger("v4rl.rollout")
-SGLANG_API_VERSION = "0.5.23"
-HEALTH_GENERATE_TIMEOUT_S = 20.0
-DISTRIBUTED_UNSUPPORTED = ("the embedded v4rl engine has no NCCL/RCCL weight sync; on GPU clusters use real SGLang "
-                           "(engines/rollout/sglang.py), here use /update_weights_from_disk")
-
-
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+DISTRIBUTED_UNSUPPORTED = ("the embedded v4rl engine has no NCCL/RCCL or CUDA-IPC weight sync; on GPU clusters use "
+                           "real SGLang (engines/rollout/launcher.py), here use /update_weights_from_disk")
+OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                   "end_weight_update()")
+"""SGLang 0.5.23's refusal of a distributed update outside a session (scheduler_components/weight_updater.py)."""
+AUTH_EXEMPT = ("/health", "/ready", "/metrics")
 
 
 def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
+def _validation_error(message: str) -> JSONResponse:
+    """SGLang's 400 for a body FastAPI could not validate (its ErrorResponse)."""
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+                        status_code=400)
+
+
+def _bearer_ok(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
 
 
 def create_app(engine: RolloutEngine, *, api_key: str | None = None,
                server_args: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` with SGLang's native routes."""
-    app = FastAPI(title="v4rl rollout (SGLang-compatible)", openapi_url=None)
-    args = {"model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir),
-            "dtype": engine.config.dtype, "max_running_requests": engine.config.max_running_requests,
-            "context_length": engine.context_length, "rocm_fnuz": engine.config.rocm_fnuz, **(server_args or {})}
+    app = FastAPI(title="v4rl rollout (SGLang-compatible)", openapi_url=None, docs_url=None, redoc_url=None)
+    state = ServingState(engine, **(server_args or {}))
+    probe = HealthProbe(engine)
+    checker = WeightsChecker(engine)
 
     if api_key:
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
-            path = request.url.path
-            if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
+            if request.method == "OPTIONS" or request.url.path.startswith(AUTH_EXEMPT):
                 return await call_next(request)
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
+            if not _bearer_ok(request.headers.get("Authorization"), api_key):
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
             return await call_next(request)
 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
-        return _error(str(exc))
+        return JSONResponse(exc.body(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(f"{exc} {exc.errors()}")
 
     @app.exception_handler(EngineStopped)
     async def stopped(_: Request, exc: EngineStopped) -> JSONResponse:
-        return _error(str(exc), 503)
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=503)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.alive else 503)
+        if not probe.generation_on_health():
+            return Response(status_code=200 if engine.alive else 503)
+        return Response(status_code=await probe.check())
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        return Response(status_code=await probe.check())
+
+    @app.get("/ready")
+    async def ready() -> Response:
         if not engine.alive:
             return Response(status_code=503)
-        state = await run_in_threadpool(engine.status)
-        if state["paused"] or state["weight_update_session"]:
-            return Response(status_code=200)  # cannot generate by design right now; the scheduler answered
-        if state["num_running_reqs"]:  # busy: healthy if tokens keep coming (SGLang skips the probe then too)
-            deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                now = await run_in_threadpool(engine.status)
-                if now["generated_tokens"] > state["generated_tokens"] or not now["num_running_reqs"]:
-                    return Response(status_code=200)
-            return Response(status_code=503)
-        bos = engine.cfg.bos_token_id or 0
-        spec = RequestSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[bos], seed=0,
-                           sampling=SamplingParams(temperature=0.0, max_new_tokens=1))
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(engine.submit([spec])[0]), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError):
-            await run_in_threadpool(engine.abort, spec.rid)
-            return Response(status_code=503)
-        return Response(status_code=200)
+        paused = (await run_in_threadpool(engine.status))["paused"]
+        return Response(status_code=503 if paused else 200)
 
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": args["model_path"], "tokenizer_path": args["tokenizer_path"], "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": engine.weight_version,
-                "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
-
-    @app.get("/get_weight_version")
-    async def weight_version() -> dict[str, Any]:
-        return {"weight_version": engine.weight_version}
+        return state.model_info()
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        state = await run_in_threadpool(engine.status)
-        return {**args, "weight_version": engine.weight_version, "internal_states": [state],
-                "version": SGLANG_API_VERSION, "backend": "v4rl-embedded"}
+        return state.server_info(await run_in_threadpool(engine.status))
 
     # ------------------------------------------------------------------ generation
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
-        body = await _body(request)
-        specs, batched, text_options = parse_generate(body, engine.tokenizer)
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from None
+        specs, batched, options = parse_generate(body, engine.tokenizer)
         try:
             futures = [asyncio.wrap_future(f) for f in engine.submit(specs)]
         except ValueError as exc:
@@ -168,85 +172,106 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
         except EngineStopped:
             raise
         except RuntimeError as exc:
-            return _error(str(exc), 500)
-        return build_response(outputs, batched, text_options, engine.tokenizer)
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
+        return build_response(outputs, batched, options, engine.tokenizer)
 
     @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = await _body(request)
-        await run_in_threadpool(engine.abort, body.get("rid") or None, abort_all=bool(body.get("abort_all")))
+    async def abort_request(body: control.AbortRequest = Body()) -> Response:
+        await run_in_threadpool(engine.abort, body.rid or None, abort_all=body.abort_all)
         return Response(status_code=200)
 
     # ------------------------------------------------------------------ pause / cache
     @app.post("/pause_generation")
-    async def pause_generation(request: Request) -> JSONResponse:
-        mode = (await _body(request)).get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise RequestError(f"mode must be one of {PAUSE_MODES}; got {mode!r}")
-        await run_in_threadpool(engine.pause, mode)
+    async def pause_generation(body: control.PauseGeneration = Body()) -> JSONResponse:
+        await run_in_threadpool(engine.pause, body.mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
-    async def continue_generation() -> JSONResponse:
+    async def continue_generation(body: control.ContinueGeneration = Body()) -> JSONResponse:
         await run_in_threadpool(engine.resume)
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        ok = await run_in_threadpool(engine.flush_cache)
-        return Response("Cache flushed.\n" if ok else "Cache not flushed: requests holding KV are running or paused "
-                        "in place; abort or retract them first.\n", status_code=200 if ok else 400)
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> Response:
+        deadline = time.monotonic() + timeout
+        while not (ok := await run_in_threadpool(engine.flush_cache)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # SGLang defers the flush until idle, up to `timeout` seconds
+        if ok:
+            return Response("Cache flushed.\n", status_code=200)
+        why = "Timed out waiting for idle state." if timeout else "requests holding KV are running or paused in place"
+        return Response(f"Cache not flushed: {why}; abort or retract them first.\n", status_code=400)
 
     # ------------------------------------------------------------------ weights
     @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if not body.get("model_path"):
-            raise RequestError("'model_path' is required: a directory written by `v4rl export --format hf-fp8`")
-        if body.get("load_format") not in (None, "auto", "safetensors"):
-            raise RequestError(f"load_format {body['load_format']!r} is not supported; the embedded engine reads "
-                               "safetensors directories")
-        version = body.get("weight_version")
+    async def update_weights_from_disk(body: control.UpdateWeightsFromDisk = Body()) -> JSONResponse:
+        refused = _unsupported_disk_options(body)
+        if refused:
+            return _result(False, refused, num_paused_requests=0)
         res = await run_in_threadpool(lambda: engine.update_weights_from_disk(
-            body["model_path"], weight_version=None if version is None else str(version),
-            abort_all_requests=bool(body.get("abort_all_requests", False)),
-            keep_pause=bool(body.get("keep_pause", False))))
+            body.model_path, weight_version=body.weight_version, abort_all_requests=body.abort_all_requests,
+            keep_pause=body.keep_pause))
+        if res.success:
+            state.moved_to(body.model_path, body.load_format)
+        version = body.weight_version
         message = res.message + (f" Weight version updated to {version}." if res.success and version else "")
         return _result(res.success, message, num_paused_requests=res.num_paused_requests)
 
     @app.post("/begin_weight_update")
-    async def begin_weight_update() -> JSONResponse:
+    async def begin_weight_update(body: control.BeginWeightUpdate = Body()) -> JSONResponse:
+        if body.selector == "draft":
+            return _result(False, "selector 'draft': the embedded engine has no draft (speculative) model")
         res = await run_in_threadpool(engine.begin_weight_update)
         return _result(res.success, res.message)
 
     @app.post("/end_weight_update")
-    async def end_weight_update() -> JSONResponse:
+    async def end_weight_update(body: control.EndWeightUpdate = Body()) -> JSONResponse:
         res = await run_in_threadpool(engine.end_weight_update)
         return _result(res.success, res.message)
 
     @app.post("/update_weight_version")
-    async def update_weight_version(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if body.get("new_version") is None:
-            raise RequestError("'new_version' is required")
-        new = str(body["new_version"])
+    async def update_weight_version(body: control.UpdateWeightVersion = Body()) -> JSONResponse:
         await run_in_threadpool(lambda: engine.set_weight_version(
-            new, abort_all_requests=bool(body.get("abort_all_requests", True))))
-        return _result(True, f"Weight version updated to {new}", new_version=new)
+            body.new_version, abort_all_requests=body.abort_all_requests))
+        return _result(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
 
-    @app.post("/weights_checker")
-    async def weights_checker(request: Request) -> JSONResponse:
-        action = (await _body(request)).get("action", "checksum")
-        if action != "checksum":
-            return _result(False, f"action {action!r} is not supported by the embedded engine; use 'checksum'")
-        sums = await run_in_threadpool(engine.checksums)
-        return _result(True, f"Checksummed {len(sums)} runtime tensors.", ranks=[{"rank": 0, "checksums": sums}])
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(body: control.CheckWeights | None = Body(None)) -> JSONResponse:
+        body = body or control.CheckWeights()
+        success, message, extra = await run_in_threadpool(checker.handle, body)
+        return _result(success, message, **extra)
 
-    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-                 "/update_weights_from_tensor"):
-        app.add_api_route(path, lambda: _result(False, DISTRIBUTED_UNSUPPORTED), methods=["POST"])
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: control.InitWeightsUpdateGroup = Body()) -> JSONResponse:
+        return _result(False, DISTRIBUTED_UNSUPPORTED)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: control.DestroyWeightsUpdateGroup = Body()) -> JSONResponse:
+        return _result(False, DISTRIBUTED_UNSUPPORTED)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: control.UpdateWeightsFromDistributed = Body()) -> JSONResponse:
+        in_session = (await run_in_threadpool(engine.status))["weight_update_session"]
+        return _result(False, DISTRIBUTED_UNSUPPORTED if in_session else OUTSIDE_SESSION)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: control.UpdateWeightsFromTensor = Body()) -> JSONResponse:
+        in_session = (await run_in_threadpool(engine.status))["weight_update_session"]
+        return _result(False, DISTRIBUTED_UNSUPPORTED if in_session else
+                       OUTSIDE_SESSION.replace("distributed", "tensor"))
 
     return app
+
+
+def _unsupported_disk_options(body: control.UpdateWeightsFromDisk) -> str | None:
+    """Options of SGLang's disk update the embedded engine cannot honour, refused rather than ignored."""
+    if body.load_format not in (None, "auto", "safetensors"):
+        return (f"load_format {body.load_format!r} is not supported; the embedded engine reads safetensors "
+                "directories (load_format auto or safetensors)")
+    if body.is_async:
+        return "is_async: the embedded engine loads synchronously; send is_async false"
+    if body.manifest is not None:
+        return "manifest: the embedded engine loads whole directories; send no manifest"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- running

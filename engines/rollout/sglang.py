@@ -226,9 +226,11 @@ class SGLangClient:
     def continue_generation(self) -> Any:
         return self._post("/continue_generation")
 
-    def flush_cache(self) -> None:
-        """Raises SGLangHTTPError(400) while requests are running or waiting."""
-        self._post("/flush_cache")
+    def flush_cache(self, *, wait_s: float = 0.0) -> None:
+        """Drop the prefix cache; with `wait_s` the server first waits up to that long for running requests to
+        finish (SGLang's `?timeout=`). Raises SGLangHTTPError(400) while requests still hold KV."""
+        path = f"/flush_cache?timeout={float(wait_s)}" if wait_s else "/flush_cache"
+        self._post(path, timeout=self.timeout + wait_s)
 
     # ------------------------------------------------------------------ weights
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,

@@ -6,9 +6,10 @@ Two layers, as in SGLang's FP8 path (reference/miles-sglang-megatron.md §2.3, r
             Updates replace stored tensors only, after validation (`check_update`).
   runtime   the `DeepseekV4` module's parameters: every stored tensor dequantized (fp32 arithmetic)
             and cast to the runtime dtype. `rebuild_runtime` recomputes all of them; it is what
-            `/end_weight_update` (SGLang's `post_process_weights`) runs. With the ROCm profile
-            (`rocm_fnuz`) FP8 weights are first converted to e4m3fnuz with doubled scales, the form
-            ROCm kernels read, and dequantized from there (same values by construction).
+            `/end_weight_update` runs (upstream SGLang's form of the patched `post_process_weights`
+            route). With the ROCm profile (`rocm_fnuz`) FP8 weights are first converted to e4m3fnuz
+            with doubled scales, the form ROCm kernels read, and dequantized from there (same values
+            by construction).
 
 Update validation refuses, naming the tensor: unknown names, wrong shapes, a storage kind other than
 the one held (FP4 experts arriving as FP8 bytes, a scale-less FP8 weight), and any change to a hash
@@ -27,7 +28,7 @@ row-major). Never set outside tests.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -216,6 +217,22 @@ def _dequantize(t: RawTensor, rocm_fnuz: bool, fault: str | None) -> torch.Tenso
         q, s = fp8_to_fnuz(t.data, t.scale)
         return dequantize_fp8_blockwise(q, s, block=t.block, out_dtype=torch.float32)
     return t.dequantize(torch.float32)
+
+
+@torch.no_grad()
+def randomize_runtime(model: DeepseekV4, skip: Sequence[str] = ()) -> int:
+    """Fill every tensor `rebuild_runtime` writes (the model's state dict) with random values; integer tables
+    (tid2eid) get random ids in their own range. Returns how many were overwritten."""
+    count = 0
+    for name, t in model.state_dict().items():  # shares storage with the parameters and persistent buffers
+        if any(s in name for s in skip):
+            continue
+        if t.is_floating_point():
+            t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+        else:
+            t.copy_(torch.randint_like(t, 0, max(int(t.max()) + 1, 1)))
+        count += 1
+    return count
 
 
 def _runtime_tensors(model: DeepseekV4) -> Iterator[tuple[str, torch.Tensor]]:

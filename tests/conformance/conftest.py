@@ -10,6 +10,7 @@ setup.sh fills from the registry (or $V4RL_SGLANG_DIR). Every test here carries 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from engines import engine_sources
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the suite's helpers (sglang_worker.py) import by name
 
 
 def pytest_collection_modifyitems(config, items):
@@ -56,3 +58,24 @@ def megatron_tree() -> Path:
 def sglang_paths() -> list[Path]:
     """sys.path entries for the pinned SGLang (cached by setup.sh; installed here if the registry answers)."""
     return _or_skip(engine_sources.sglang_paths)
+
+
+@pytest.fixture(scope="session")
+def sglang_worker(sglang_paths, tmp_path_factory):
+    """One subprocess with SGLang imported (tests/conformance/sglang_worker.py), shared by the SGLang checks."""
+    from sglang_worker import SGLangWorker
+
+    worker = SGLangWorker(sglang_paths, tmp_path_factory.mktemp("sglang-worker"))
+    yield worker
+    worker.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_app(sglang_worker, tmp_path_factory) -> dict:
+    """SGLang's real FastAPI app with only the TokenizerManager faked, on 127.0.0.1, API key `SGLANG_APP_KEY`."""
+    url = sglang_worker.call("start_app", workdir=str(tmp_path_factory.mktemp("sglang-app")),
+                             api_key=SGLANG_APP_KEY)["url"]
+    return {"url": url, "api_key": SGLANG_APP_KEY}
+
+
+SGLANG_APP_KEY = "conformance-key"

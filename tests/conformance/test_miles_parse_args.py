@@ -81,3 +81,14 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
         preflight.fn(SEED_RUN.name, miles=miles)
     assert "eval dataset 'aime' (--eval-prompt-data)" in str(err.value)
     assert f"{data}/aime-2024/aime-2024.jsonl does not exist" in str(err.value) and "prompt_data" not in str(err.value)
+
+
+def test_dp_attention_reaches_sglang_as_attn_dp_size(tmp_path, miles_tree, megatron_tree, sglang_paths):
+    """RolloutSpec.engine_dp is DP attention inside one engine (SGLang 0.5.23 --attn-dp-size), never SGLang's
+    --dp-size replicas, which its weight-sync routes refuse (conformance B18)."""
+    from engines.launch import apply_overrides
+
+    preset, _ = apply_overrides(MILES_32GPU_RUN, {"sglang_dp": 2})
+    check = check_job(preset, _job(tmp_path), site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
+    assert check.ok, check.summary()
+    assert (check.resolved["sglang_dp_size"], check.resolved["sglang_attn_dp_size"]) == (1, 2)

@@ -99,6 +99,8 @@ def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec) -> d
         "expert_model_parallel_size": p.ep, "expert_tensor_parallel_size": p.expert_tp, "sequence_parallel": p.sp,
         "actor_num_nodes": cluster.actor_nodes, "actor_num_gpus_per_node": cluster.gpus_per_node,
         "rollout_num_gpus": cluster.rollout_gpus, "rollout_num_gpus_per_engine": preset.rollout.engine_tp,
+        "sglang_tp_size": preset.rollout.engine_tp, "sglang_dp_size": 1, "sglang_ep_size": preset.rollout.engine_ep,
+        "sglang_attn_dp_size": preset.rollout.engine_dp,
         "colocate": cluster.colocated, "num_rollout": preset.num_rollout, "rollout_batch_size": t.rollout_batch_size,
         "n_samples_per_prompt": t.n_samples_per_prompt, "num_steps_per_rollout": t.num_steps_per_rollout,
         "global_batch_size": t.global_batch, "micro_batch_size": 1, "use_dynamic_batch_size": False,

@@ -131,10 +131,13 @@ def sglang_args(preset: "RunPreset") -> list[str]:
     """Rollout engines: GPUs and parallelism per engine, router health checks, and the SGLang limits the planner
     sized memory with (Miles' launcher leaves those at SGLang's defaults; v4rl passes what it checked)."""
     r = preset.rollout
+    # One SGLang server per engine (--sglang-dp-size 1: SGLang's weight-sync routes assert dp_size == 1);
+    # RolloutSpec.engine_dp is DP attention inside it, SGLang 0.5.23's --attn-dp-size (conformance B18)
     args = ["--rollout-num-gpus-per-engine", str(r.engine_tp), "--sglang-tp-size", str(r.engine_tp),
-            "--sglang-dp-size", str(r.engine_dp), "--sglang-ep-size", str(r.engine_ep),
-            "--router-health-success-threshold", "1", "--router-health-check-interval-secs", "15",
-            "--router-health-failure-threshold", "40"]
+            "--sglang-dp-size", "1", "--sglang-ep-size", str(r.engine_ep)]
+    args += ["--sglang-attn-dp-size", str(r.engine_dp)] if r.engine_dp > 1 else []
+    args += ["--router-health-success-threshold", "1", "--router-health-check-interval-secs", "15",
+             "--router-health-failure-threshold", "40"]
     return args + ["--sglang-max-running-requests", str(r.max_running_requests),
                    "--sglang-max-total-tokens", str(r.max_total_tokens),
                    "--sglang-context-length", str(r.context_length)]

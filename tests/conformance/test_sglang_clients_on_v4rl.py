@@ -1,0 +1,58 @@
+"""(b) SGLang 0.5.23's own clients against v4rl's live rollout server (127.0.0.1, tiny-cpu checkpoint).
+
+  - an `sgl.function` program through `RuntimeEndpoint`: `sgl.gen` (which always sends `stop_regex: []`, the
+    request v4rl's server used to refuse) and `sgl.select` (prompt scoring with text in the logprobs);
+  - `sglang.test.send_one.send_one_prompt`, SGLang's one-prompt smoke client;
+  - `sglang.test.kl_test_utils`: decode logprobs against prefill rescoring of the same tokens, plain and after
+    a prefill cache hit, under SGLang's own KL estimate and a bound of KL_BOUND (our engine is exact in fp32).
+The decode-cache-hit variant is not run: v4rl's prefix cache matches whole sequences, not radix prefixes.
+
+    .venv/bin/python -m pytest tests/conformance/test_sglang_clients_on_v4rl.py -q
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from engines.rollout.engine import RolloutEngine
+from engines.rollout.server import RolloutServer
+from engines.rollout.sglang import SGLangClient
+
+KL_BOUND = 1e-6
+"""Mean k3 KL between decode and rescoring logprobs SGLang's helper must see (fp32: ~3e-14 measured)."""
+PROMPT = "Compute 12+34. Answer in \\boxed{}."
+
+
+@pytest.fixture(scope="module")
+def v4rl_url(tiny_checkpoint):
+    with RolloutServer(RolloutEngine(tiny_checkpoint)) as server:
+        yield server.url
+
+
+def test_sgl_function_with_gen_and_select(v4rl_url, sglang_worker, tiny_checkpoint):
+    choices = ["yes", "no"]
+    out = sglang_worker.call("run_program", url=v4rl_url, prompt=PROMPT, choices=choices, timeout=300)
+    assert out["error"] is None
+    assert out["verdict"] in choices and out["model_path"] == str(tiny_checkpoint)
+    meta = out["meta"]
+    assert meta["finish_reason"]["type"] in ("length", "stop") and meta["completion_tokens"] >= 1
+    with SGLangClient(v4rl_url) as ours:  # the same greedy continuation as v4rl's own client gets
+        again = ours.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert out["answer"] == again["text"]
+
+
+def test_send_one_prompt(v4rl_url, sglang_worker):
+    out = sglang_worker.call("send_one", url=v4rl_url, prompt=PROMPT, timeout=300)
+    assert out["acc_length"] == 1.0 and out["speed"] > 0  # it returns (0, 0) on any non-200 answer
+    assert re.search(r"\|\s*[\d.]+\s*\|\s*8\s*\|", out["printed"]), out["printed"]  # latency, 8 tokens
+
+
+def test_kl_logprob_checks(v4rl_url, sglang_worker, tmp_path, tiny_checkpoint):
+    engine_tokens = [[0] + [5 + (11 * i + 7 * k) % 90 for k in range(20 + i)] for i in range(6)]
+    out = sglang_worker.call("kl_check", url=v4rl_url, cache_home=str(tmp_path), prompts=engine_tokens,
+                             model_name="v4rl-tiny", kl_bound=KL_BOUND, max_new_tokens=12, timeout=600)
+    kls = [float(x) for x in re.findall(r"avg_kl_div=([0-9.eE+-]+)", out["printed"])]
+    assert len(kls) == 2 and all(k < KL_BOUND for k in kls), out["printed"]
+    assert "cache miss" not in out["printed"]  # every prompt was served from the prefix cache the second time
