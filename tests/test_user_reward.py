@@ -33,6 +33,7 @@ import rl.reward_spec
 import rl.rewards
 from rl.grading import GraderFailed
 from rl.loop import Completion, LoopConfig, rollout_step
+from rl.math_task import make_prompt
 from rl.reward_spec import RewardCheckFailed, RewardSpecError, check_reward, check_reward_spec, resolve_reward
 from tests.prefect_server import prefect_server  # noqa: F401
 
@@ -53,7 +54,7 @@ REWARDS = textwrap.dedent('''
         for prompt, completion, gold in zip(prompts, completions, label):
             if gold == "77":
                 raise KeyError("no reference for 77")
-            if not prompt.startswith("Compute"):
+            if "Compute" not in prompt:
                 raise ValueError(f"expected the prompt text, got {prompt!r}")
             out.append(0.5 if gold in completion else 0.25)
         return out
@@ -297,7 +298,7 @@ def _dapo_file(path: Path, pairs: list[tuple[int, int]]) -> Path:
     """DAPO-Math-17k's row shape: a message-list prompt, an integer label (one row with a system message)."""
     rows = []
     for i, (a, b) in enumerate(pairs):
-        messages = [{"role": "user", "content": f"Compute {a}+{b}. Answer in \\boxed{{}}."}]
+        messages = [{"role": "user", "content": make_prompt(a, b)}]  # the synthetic task's wording, as a chat
         if i == 0:
             messages.insert(0, {"role": "system", "content": "Answer briefly."})
         rows.append({"prompt": messages, "label": a + b, "metadata": {"source": "test"}})
