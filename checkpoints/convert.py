@@ -229,7 +229,8 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
             sync_files(Path(j.out) for j in jobs)
         specs = megatron_specs(plan.cfg)
         write_dcp_metadata(rel, [r for rs in results for r in rs], specs)
-        write_common(rel, plan.cfg, hf_config=plan.raw_config, extra={"source": str(src.resolve()), "key": key})
+        write_common(rel, plan.cfg, hf_config=hf.with_release_model_keys(plan.raw_config, plan.cfg),
+                     extra={"source": str(src.resolve()), "key": key})
         write_checkpointing_config(rel)
         mark_release(out.tmp)
         if verify != "none":
@@ -523,12 +524,8 @@ def _write_hf_side_files(out: Path, raw: dict[str, Any], cfg: ModelConfig, fmt: 
                          scale_fmt: str, weight_map: dict[str, str], total: int, like: str | Path | None) -> None:
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")}
-    storage = hf.hf_config_dict(cfg, weight_format="bf16" if fmt == "hf-bf16" else "fp8",  # type: ignore[arg-type]
-                                expert_dtype=expert_dtype, scale_fmt=scale_fmt)  # type: ignore[arg-type]
-    config.update({k: storage[k] for k in ("dtype", "quantization_config", "expert_dtype") if k in storage})
-    if "torch_dtype" in config:
-        config["torch_dtype"] = storage["dtype"]
+    config = hf.hf_config_dict(cfg, weight_format="bf16" if fmt == "hf-bf16" else "fp8",  # type: ignore[arg-type]
+                               expert_dtype=expert_dtype, scale_fmt=scale_fmt, base=raw)  # type: ignore[arg-type]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     like_dir = Path(like) if like is not None else None
     gen = like_dir / "generation_config.json" if like_dir else None

@@ -3,7 +3,8 @@
 On disk (`weight_format="fp8"`, the release format):
   model-0000K-of-0000N.safetensors     native names (`layers.0.attn.wq_a.weight`, `embed.weight`, ...)
   model.safetensors.index.json         {"metadata": {"total_size": bytes}, "weight_map": {name: shard}}
-  config.json                          ModelConfig.to_hf_dict() + "dtype" + quantization_config + expert_dtype
+  config.json                          DeepSeek's release form (ModelConfig.to_hf_dict()) + "dtype" +
+                                       quantization_config + expert_dtype (engines/model/config_format.py)
   generation_config.json, tokenizer files (copied from tokenizer_dir)
 Each tensor is stored as `engines/model/params.py` says:
   fp8    `X.weight` float8_e4m3fn + `X.scale` [ceil(M/128), ceil(N/128)] float8_e8m0fnu (or float32)
@@ -47,6 +48,7 @@ from safetensors.torch import save_file
 
 from checkpoints.names import IGNORED_NATIVE_PREFIXES, sglang_to_native_name
 from engines.model.config import ModelConfig
+from engines.model.config_format import ALIASES, TRANSFORMERS_ONLY
 from engines.model.params import ParamSpec, native_param_specs
 from engines.quant import (
     UE8M0,
@@ -133,9 +135,11 @@ def encode_tensor(
 
 
 def hf_config_dict(cfg: ModelConfig, *, weight_format: WeightFormat, expert_dtype: ExpertDtype,
-                   scale_fmt: str) -> dict[str, Any]:
-    """config.json body: the model config plus the storage fields transformers and SGLang read."""
-    d = cfg.to_hf_dict()
+                   scale_fmt: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """config.json body: the model config in DeepSeek's release form plus the storage fields transformers and
+    SGLang read. `base` (a source checkpoint's config.json, e.g. for an export) contributes the keys v4rl does
+    not model; the model keys of either form and the storage fields are v4rl's."""
+    d = with_release_model_keys({k: v for k, v in (base or {}).items() if k not in _STORAGE_KEYS}, cfg)
     d["dtype"] = "float32" if weight_format == "fp32" else "bfloat16"
     if weight_format == "fp8":
         qc: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -144,7 +148,22 @@ def hf_config_dict(cfg: ModelConfig, *, weight_format: WeightFormat, expert_dtyp
             qc["scale_fmt"] = "ue8m0"
         d["quantization_config"] = dict(sorted(qc.items()))
         d["expert_dtype"] = expert_dtype
-    return d
+    return dict(sorted(d.items()))
+
+
+def with_release_model_keys(raw: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """`raw` (a config.json of either form) with its model keys rewritten in the release form from cfg; keys v4rl
+    does not model and the storage fields stay as they are."""
+    d = {k: v for k, v in raw.items() if k not in _MODEL_KEYS}
+    d.update(cfg.to_hf_dict())
+    return dict(sorted(d.items()))
+
+
+_STORAGE_KEYS = frozenset({"quantization_config", "expert_dtype", "dtype", "torch_dtype"})
+_MODEL_KEYS = frozenset(set(TRANSFORMERS_ONLY) | set(ALIASES) | set(ALIASES.values()) | {
+    "compress_ratios", "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim", "rope_scaling"})
+"""Keys of a config.json whose meaning v4rl models under another spelling in one of the two forms: rewritten
+from the ModelConfig, never copied (the release keys v4rl writes are overwritten anyway)."""
 
 
 def save_hf_checkpoint(

@@ -67,7 +67,7 @@ TINY_RUN = RunPreset(
     description="The embedded default: the tiny DeepSeek-V4 on one CPU, rollout and trainer colocated, no Miles.",
     model=tiny_cpu_shape, profile="cpu", nodes=1, rollout_nodes=0, parallel=ParallelSpec(),
     train=TrainSpec(max_tokens_per_gpu=2048, recompute="none", optimizer_offload=0.0, rollout_batch_size=16,
-                    n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=64, max_response_len=64,
+                    n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=192, max_response_len=64,
                     reserve_gb=0.5),
     rollout=RolloutSpec(engine_tp=1, engine_ep=1, engine_dp=1, max_running_requests=128, max_total_tokens=65536,
                         context_length=512, mem_fraction_static=0.5, expert_format="fp4", kv_bytes_per_elem=4.0,

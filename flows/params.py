@@ -64,6 +64,15 @@ class PipelineParams(BaseModel):
         default_factory=list, description="Dashboards mirroring metrics.jsonl and eval/: tensorboard "
                                           "(<run_dir>/tensorboard/), wandb (offline under <run_dir>/wandb/ unless "
                                           "WANDB_MODE=online).")
+    # -- the user's data and reward (rl/reward_spec.py) ------------------------------------------------------------
+    reward: str = Field("auto", description="How training samples are scored: auto (literal for the synthetic task, "
+                                            "math-verify for train_data), literal, math-verify, or "
+                                            "package.module:function, a reward function with TRL's contract "
+                                            "f(prompts, completions, label, **kwargs) -> list[float], importable "
+                                            "on the worker (PYTHONPATH). Its failures count as grader errors.")
+    eval_reward: str = Field("auto", description="How held-out samples are graded for pass@k: auto (literal for the "
+                                                 "synthetic set, math-verify for eval_data) or any value reward "
+                                                 "accepts.")
 
     # ---- Cluster site and Miles job (cluster presets only; names are engines.site.Site / MilesJob fields) ----
     ray_address: str | None = Field(None, description="RAY_ADDRESS: the Jobs API of the existing Ray cluster, e.g. "
@@ -109,6 +118,23 @@ class PipelineParams(BaseModel):
             raise ValueError(f"{info.field_name} {path} does not exist; check the path (it is read on the machine "
                              "that runs the flow)")
         return str(path)
+
+    @field_validator("reward", "eval_reward")
+    @classmethod
+    def _reward(cls, v: str, info) -> str:
+        from rl.reward_spec import check_reward_spec
+
+        return check_reward_spec(v, info.field_name)  # imports an import path's module and checks its signature
+
+    @model_validator(mode="after")
+    def _reward_reaches_the_trainer(self) -> "PipelineParams":
+        for name in ("reward", "eval_reward"):
+            value = getattr(self, name)
+            if self.preset != "tiny-cpu" and value not in ("auto", "math-verify"):
+                raise ValueError(f"{name}={value!r} applies to the embedded tiny-cpu run only; on {self.preset} Miles "
+                                 "trains, evaluates and grades with its own --rm-type math: leave it at auto or "
+                                 "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
+        return self
 
     @field_validator("store_url")
     @classmethod
@@ -221,5 +247,7 @@ class PipelineParams(BaseModel):
         fields = {k: getattr(self, k) for k in keys}
         if self.train_data:  # only when set: fingerprints of runs on the synthetic task stay as they were
             fields["train_data"] = self.train_data
+        if self.reward != "auto":  # likewise
+            fields["reward"] = self.reward
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

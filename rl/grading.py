@@ -2,9 +2,10 @@
 
 What it does
     ``Grader(reward_fn).grade(responses, labels, where="step 3")`` calls ``reward_fn(response, label)``
-    for every pair. A call that raises (or returns NaN/inf, or something that is not a number) scores
-    0.0 for that sample and is counted; the first failure of each exception type is logged once (type
-    and message, with where it happened). When the fraction of failed samples in one call exceeds
+    for every pair (``reward_fn(response, label, prompt)`` with ``takes_prompt=True`` and ``prompts=``: how a
+    user's reward function is called, rl/reward_spec.py). A call that raises (or returns NaN/inf, or something
+    that is not a number) scores 0.0 for that sample and is counted; the first failure of each exception type
+    is logged once (type and message, with where it happened). When the fraction of failed samples in one call exceeds
     ``max_error_ratio`` the call raises :class:`GraderFailed` naming where, how many failed, the first
     failure and the fix, so a broken grader stops the run instead of feeding it zero rewards.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import numbers
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,13 +72,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _grade_one(reward_fn: Callable[[str, str], float], response: str, label: str) -> tuple[float, str | None]:
-    """One sample, never raising: (reward, None) or (0.0, "ExceptionType: message")."""
+def _grade_one(reward_fn: Callable[..., float], sample: tuple[str, ...]) -> tuple[float, str | None]:
+    """One sample ``(response, label[, prompt])``, never raising: (reward, None) or (0.0, "ExceptionType: message")."""
     try:
-        raw = reward_fn(response, label)
+        raw = reward_fn(*sample)
     except Exception as exc:  # noqa: BLE001 - a failing grader is counted and reported, not fatal per sample
         return 0.0, _describe(exc)
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+    # numbers.Real: numpy scalars count as numbers (np.float32 is no float subclass); bool does not
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
         return 0.0, f"TypeError: the reward function returned {type(raw).__name__} {raw!r:.60}, not a number"
     value = float(raw)
     if not math.isfinite(value):
@@ -84,22 +87,24 @@ def _grade_one(reward_fn: Callable[[str, str], float], response: str, label: str
     return value, None
 
 
-def _grade_chunk(reward_fn: Callable[[str, str], float],
-                 pairs: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
-    return [_grade_one(reward_fn, response, label) for response, label in pairs]
+def _grade_chunk(reward_fn: Callable[..., float], samples: list[tuple[str, ...]]) -> list[tuple[float, str | None]]:
+    return [_grade_one(reward_fn, sample) for sample in samples]
 
 
 @dataclass
 class Grader:
     """Counts, logs and caps reward-function failures; optionally grades in a thread or process pool."""
 
-    reward_fn: Callable[[str, str], float]
+    reward_fn: Callable[..., float]
+    """``reward_fn(response, label) -> float`` (``reward_fn(response, label, prompt)`` with ``takes_prompt``)."""
     max_error_ratio: float = DEFAULT_MAX_ERROR_RATIO
     """A grading call in which a larger fraction of samples fail raises GraderFailed (0 tolerates none,
     1.0 never stops)."""
     workers: int = 0
     """0: grade in the calling thread; N: grade in a pool of N workers."""
     pool: Literal["thread", "process"] = "thread"
+    takes_prompt: bool = False
+    """The reward function also takes the sample's prompt text: every grade() call must then pass prompts."""
     total: int = 0
     total_errors: int = 0
     first_error_by_type: dict[str, str] = field(default_factory=dict)
@@ -117,12 +122,18 @@ class Grader:
 
     # -- grading ----------------------------------------------------------------------------------------
 
-    def grade(self, responses: Sequence[str], labels: Sequence[str], *, where: str) -> GradingResult:
-        """Rewards for ``responses[i]`` against ``labels[i]``; raises GraderFailed over the cap (see module doc)."""
+    def grade(self, responses: Sequence[str], labels: Sequence[str], *, where: str,
+              prompts: Sequence[str] | None = None) -> GradingResult:
+        """Rewards for ``responses[i]`` against ``labels[i]`` (and ``prompts[i]`` when the reward takes prompts);
+        raises GraderFailed over the cap (see module doc)."""
         if len(responses) != len(labels):
             raise ValueError(f"{where}: {len(responses)} responses but {len(labels)} labels; pass one label per "
                              "response (repeat a prompt's label for each of its samples)")
-        outcomes = self._run(list(zip(responses, labels)))
+        if self.takes_prompt and (prompts is None or len(prompts) != len(responses)):
+            raise ValueError(f"{where}: the reward function takes prompts; pass one prompt per response "
+                             f"(got {'none' if prompts is None else len(prompts)} for {len(responses)})")
+        samples = list(zip(responses, labels, prompts)) if self.takes_prompt else list(zip(responses, labels))
+        outcomes = self._run(samples)
         failures = [error for _, error in outcomes if error is not None]
         result = GradingResult([reward for reward, _ in outcomes], len(failures), failures[0] if failures else None)
         self.total += result.n
@@ -152,12 +163,12 @@ class Grader:
 
     # -- execution --------------------------------------------------------------------------------------
 
-    def _run(self, pairs: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
-        if self.workers == 0 or len(pairs) <= 1:
-            return _grade_chunk(self.reward_fn, pairs)
+    def _run(self, samples: list[tuple[str, ...]]) -> list[tuple[float, str | None]]:
+        if self.workers == 0 or len(samples) <= 1:
+            return _grade_chunk(self.reward_fn, samples)
         executor = self._pool()
-        size = max(1, math.ceil(len(pairs) / (self.workers * 4)))
-        chunks = [pairs[i:i + size] for i in range(0, len(pairs), size)]
+        size = max(1, math.ceil(len(samples) / (self.workers * 4)))
+        chunks = [samples[i:i + size] for i in range(0, len(samples), size)]
         futures = [executor.submit(_grade_chunk, self.reward_fn, chunk) for chunk in chunks]
         return [outcome for future in futures for outcome in future.result()]
 

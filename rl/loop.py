@@ -111,11 +111,19 @@ def grade_groups(groups: list[Group], decode: Callable[[list[int]], str],
     grader = grader or Grader(_required(reward_fn))
     texts = [decode(c.output_ids) for g in groups for c in g.completions]
     labels = [g.label for g in groups for _ in g.completions]
-    result = grader.grade(texts, labels, where=where)
+    prompts = _prompt_texts([g.prompt_ids for g in groups], [len(g.completions) for g in groups], decode, grader)
+    result = grader.grade(texts, labels, where=where, prompts=prompts)
     rewards = iter(result.rewards)
     for g in groups:
         g.rewards = [next(rewards) for _ in g.completions]
     return result
+
+
+def _prompt_texts(prompt_ids: Sequence[Sequence[int]], samples: list[int], decode, grader: Grader) -> list[str] | None:
+    """Each sample's prompt as the model saw it (decoded once per prompt), for a reward that takes prompts."""
+    if not grader.takes_prompt:
+        return None
+    return [text for ids, n in zip(prompt_ids, samples) for text in [decode(list(ids))] * n]
 
 
 def _required(reward_fn: Callable[[str, str], float] | None) -> Callable[[str, str], float]:
@@ -185,8 +193,10 @@ def evaluate(rollout: Rollout, prompts: list[list[int]], labels: list[str], *, n
     grader = grader or Grader(_required(reward_fn))
     outs = rollout.generate(prompts, n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
     completions = [c for group in outs for c in group]
+    texts = _prompt_texts(prompts, [len(group) for group in outs], decode, grader)
     graded = grader.grade([decode(c.output_ids) for c in completions],
-                          [label for group, label in zip(outs, labels) for _ in group], where="held-out evaluation")
+                          [label for group, label in zip(outs, labels) for _ in group], where="held-out evaluation",
+                          prompts=texts)
     flat = iter(r > 0 for r in graded.rewards)
     correct = [[next(flat) for _ in group] for group in outs]
     result: dict[str, Any] = {f"pass@{k}": mean_pass_at_k(correct, k) for k in (1, 2, 4, 8) if k <= n}

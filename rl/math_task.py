@@ -1,19 +1,23 @@
 """Seeded synthetic math task in DAPO-Math form (``{"prompt": str, "label": str}`` JSONL rows).
 
 What it does
-    Builds small addition problems, ``"Compute 47+38. Answer in \\boxed{}."`` with label
-    ``"85"``, short enough for a character-level tokenizer (prompt 34 characters, target
-    completion ``\\boxed{85}`` 10 characters for two-digit operands). The operand range is a
-    parameter (default 10..99), so harder or mixed curricula are several calls with
+    Builds small addition problems behind a fixed DAPO-style instruction,
+    ``"Solve the following math problem. ... Compute 47+38. Answer in \\boxed{}."`` with label
+    ``"85"``, for a character-level tokenizer: 141 characters, 129 tokens (``\\boxed{`` is
+    one), target completion ``\\boxed{85}`` 10 characters for two-digit operands. The
+    instruction makes every sequence longer than 128 tokens, the compression rate of the tiny
+    model's HCA layer (as in DeepSeek-V4), so that layer's compressed entry exists for every
+    answer token; the problem stays at the end, where the sliding window sees it. The operand
+    range is a parameter (default 10..99), so harder or mixed curricula are several calls with
     ``exclude=``. Everything is deterministic for a seed (Python's ``random.Random``, seeded by
     value, independent of ``PYTHONHASHSEED``). Rows are written/read as JSONL, the format
     Miles and :mod:`rl.datasets` load (``--input-key prompt --label-key label``).
 
 How to run
-    >>> from rl.math_task import make_splits, format_answer, write_jsonl
+    >>> from rl.math_task import make_splits, parse_prompt, format_answer, write_jsonl
     >>> train, held_out = make_splits(2000, 200, seed=0)
-    >>> train[0]["prompt"], format_answer(train[0]["label"])  # doctest: +SKIP
-    ('Compute 47+38. Answer in \\\\boxed{}.', '\\\\boxed{85}')
+    >>> parse_prompt(train[0]["prompt"]), format_answer(train[0]["label"])  # doctest: +SKIP
+    ((47, 38), '\\\\boxed{85}')
     >>> write_jsonl("data/train.jsonl", train)  # doctest: +SKIP
 
     ``PROMPT_CHARSET`` (or :func:`charset`) lists every character that prompts and target
@@ -38,6 +42,7 @@ __all__ = [
     "PROMPT_CHARSET",
     "charset",
     "make_prompt",
+    "parse_prompt",
     "make_problems",
     "make_splits",
     "format_answer",
@@ -45,15 +50,18 @@ __all__ = [
     "read_jsonl",
 ]
 
-PROMPT_TEMPLATE = "Compute {a}+{b}. Answer in \\boxed{{}}."
-"""Prompt text; ``{a}`` and ``{b}`` are the operands."""
+PROMPT_TEMPLATE = ("Solve the following math problem. Your response should end with \\boxed{{ANSWER}} where "
+                   "ANSWER is the answer. Compute {a}+{b}. Answer in \\boxed{{}}.")
+"""Prompt text; ``{a}`` and ``{b}`` are the operands. At least 127 tokens with one-digit operands (128 with BOS),
+so that the last prompt position already sees the first 128-token HCA entry (engines/presets.py)."""
 
 ANSWER_TEMPLATE = "\\boxed{{{label}}}"
 """Target completion (what the model should emit after the prompt, before EOS)."""
 
 
-_PROMPT_RE = re.compile(r"Compute (-?\d+)\+(-?\d+)\. Answer in \\boxed\{\}\.")
-"""Parses a :func:`make_prompt` prompt back into its operands (keep in step with the template)."""
+_PROMPT_RE = re.compile(re.escape(PROMPT_TEMPLATE.format(a="\0", b="\1")).replace("\0", r"(-?\d+)", 1)
+                        .replace("\1", r"(-?\d+)", 1))
+"""Parses a :func:`make_prompt` prompt back into its operands (derived from the template)."""
 
 
 def charset() -> str:
@@ -71,6 +79,12 @@ PROMPT_CHARSET: frozenset[str] = frozenset(charset())
 def make_prompt(a: int, b: int) -> str:
     """The prompt for ``a + b``."""
     return PROMPT_TEMPLATE.format(a=a, b=b)
+
+
+def parse_prompt(prompt: str) -> tuple[int, int] | None:
+    """The operands of a :func:`make_prompt` prompt, or None for any other text."""
+    match = _PROMPT_RE.fullmatch(prompt)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def format_answer(label: str) -> str:
@@ -156,8 +170,8 @@ def _count_in_range(prompts: set[str], low: int, high: int) -> int:
     """How many of ``prompts`` are addition prompts with both operands in ``[low, high]``."""
     count = 0
     for prompt in prompts:
-        match = _PROMPT_RE.fullmatch(prompt)
-        if match and all(low <= int(x) <= high for x in match.groups()):
+        operands = parse_prompt(prompt)
+        if operands and all(low <= x <= high for x in operands):
             count += 1
     return count
 

@@ -7,7 +7,8 @@ SGLang-compatible server on 127.0.0.1, exactly the client code that drives real 
 eval/step_XXXXXX.json.
 
 The held-out set is the synthetic one, or the first n_eval usable rows of `eval_data` (bad rows dropped and
-counted, as in training). Reward-function failures score 0, are counted in the result's `grader_errors`, and
+counted, as in training), graded by `eval_reward` (auto: literal for the synthetic set, math-verify for
+eval_data; rl/reward_spec.py). Reward-function failures score 0, are counted in the result's `grader_errors`, and
 too many fail the task (rl/grading.py). V4RL_ROLLOUT_API_KEY, when set, protects the server as in training."""
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 @task(name="held-out-eval", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, timeout_seconds=3 * 3600)
 def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max_new_tokens: int = 8,
-                  eval_data: str = "", max_grader_error_ratio: float = 0.25) -> dict:
-    import functools
+                  eval_data: str = "", max_grader_error_ratio: float = 0.25, eval_reward: str = "auto") -> dict:
     import os
 
     from transformers import AutoTokenizer
@@ -29,10 +29,9 @@ def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max
     from engines.rollout.sglang import SGLangClient
     from engines.train.actors import HTTPRollout
     from engines.train.run import ROLLOUT_API_KEY_ENV, load_data_file, prompt_encoder
-    from rl.grading import Grader
     from rl.loop import evaluate
     from rl.math_task import make_splits
-    from rl.rewards import strict_math_reward
+    from rl.reward_spec import resolve_reward
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     encode = prompt_encoder(tokenizer)
@@ -44,7 +43,7 @@ def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max
         _, rows = make_splits(0, n_eval, seed)
         prompts, labels = [encode(r["prompt"]) for r in rows], [r["label"] for r in rows]
     api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
-    grader = Grader(functools.partial(strict_math_reward, literal_only=True), max_error_ratio=max_grader_error_ratio)
+    grader = resolve_reward(eval_reward, eval_data, "eval_reward").grader(max_error_ratio=max_grader_error_ratio)
     with RolloutServer(RolloutEngine(model_dir), api_key=api_key) as server, \
             SGLangClient(server.url, api_key=api_key, timeout=600) as client:
         return evaluate(HTTPRollout(client), prompts, labels, n=n_samples, max_new_tokens=max_new_tokens,

@@ -48,7 +48,7 @@ def tiny_config() -> ModelConfig:
         vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, head_dim=64,
         q_lora_rank=64, partial_rotary_factor=0.25, layer_types=[SLIDING, CSA, HCA, CSA],
         mlp_layer_types=[HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE],
-        compress_rates={CSA: 4, HCA: 8}, sliding_window=8, o_groups=2, o_lora_rank=64,
+        compress_rates={CSA: 4, HCA: 128}, sliding_window=8, o_groups=2, o_lora_rank=64,
         index_n_heads=2, index_head_dim=64, index_topk=4, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=128,
     )

@@ -190,23 +190,6 @@ def test_right_padding_does_not_change_valid_positions(fused):
         assert (ours(ids) - ours(padded)[:, :21]).abs().max() < TOL
 
 
-def test_config_reads_legacy_compress_ratios():
-    raw = _config().to_hf_dict()
-    del raw["layer_types"], raw["mlp_layer_types"], raw["compress_rates"]
-    raw.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=2)
-    cfg = ModelConfig.from_hf_dict(raw)
-    assert cfg.layer_types == [SLIDING, CSA, HCA, CSA]
-    assert cfg.mlp_layer_types == [HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE]
-    assert cfg.compress_rates == {CSA: 4, HCA: 128}
-
-
-def test_config_errors_say_how_to_fix():
-    with pytest.raises(ValueError, match="layer_types has 3 entries but num_hidden_layers is 4"):
-        _config(layer_types=[SLIDING, CSA, HCA])
-    with pytest.raises(ValueError, match="compress_ratios has values \\[7\\]"):
-        ModelConfig.from_hf_dict({**_config().to_hf_dict(), "layer_types": None, "compress_ratios": [0, 7, 4, 4]})
-
-
 @pytest.mark.parametrize("fused", PATHS)
 def test_indexer_ties_break_toward_earlier_entries_in_decode_and_full(fused):
     """All indexer scores 0 (zero query projection): every query keeps its earliest entries, both paths."""

@@ -17,6 +17,7 @@ from rl.math_task import (
     make_problems,
     make_prompt,
     make_splits,
+    parse_prompt,
     read_jsonl,
     write_jsonl,
 )
@@ -33,32 +34,40 @@ def test_make_problems_is_deterministic_for_a_seed() -> None:
     assert len({row["prompt"] for row in dense}) == 8000
 
 
-def test_problem_rows_are_dapo_form_and_short() -> None:
+def test_problem_rows_are_dapo_form_and_past_the_hca_rate() -> None:
+    from engines.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
     rows = make_problems(200, seed=0)
     for row in rows:
         assert set(row) == {"prompt", "label"}
-        a, b = (int(x) for x in row["prompt"][len("Compute ") :].split(".")[0].split("+"))
+        a, b = parse_prompt(row["prompt"])
         assert 10 <= a <= 99 and 10 <= b <= 99
         assert row["label"] == str(a + b)
         assert row["prompt"] == make_prompt(a, b)
-        assert "\\boxed{}" in row["prompt"]
-        total = len(row["prompt"]) + len(format_answer(row["label"]))
-        assert 30 <= len(row["prompt"]) and 35 <= total <= 50
+        assert row["prompt"].endswith(f"Compute {a}+{b}. Answer in \\boxed{{}}.")
+        tokens = len(tokenizer(row["prompt"], add_special_tokens=False).input_ids)
+        assert tokens == 129  # + BOS: the last prompt position (129) sees the first 128-token HCA entry
         assert set(row["prompt"] + format_answer(row["label"])) <= PROMPT_CHARSET
     assert len({row["prompt"] for row in rows}) == len(rows)
 
 
 def test_operand_range_and_exclude() -> None:
+    from engines.tokenizer import build_tokenizer
+
     rows = make_problems(20, seed=1, low=100, high=999)
     for row in rows:
-        a, b = row["prompt"][len("Compute ") :].split(".")[0].split("+")
-        assert len(a) == 3 and len(b) == 3
+        a, b = parse_prompt(row["prompt"])
+        assert 100 <= a <= 999 and 100 <= b <= 999
+    assert parse_prompt("Compute 1+1.") is None and parse_prompt(make_prompt(-3, 4)) == (-3, 4)
     small = make_problems(4, seed=0, low=1, high=2)  # the whole pool of 4 pairs
     assert len(small) == 4
     with pytest.raises(ValueError, match="only 3"):
         make_problems(4, seed=0, low=1, high=2, exclude={make_prompt(1, 1)})
     keep = make_problems(3, seed=0, low=1, high=2, exclude={make_prompt(1, 1)})
     assert make_prompt(1, 1) not in {row["prompt"] for row in keep}
+    shortest = len(build_tokenizer()(make_prompt(1, 1), add_special_tokens=False).input_ids)
+    assert shortest + 1 >= 128  # with BOS: even one-digit problems reach the HCA entry
     negative = make_problems(5, seed=0, low=-9, high=-1)
     assert all(set(r["prompt"] + format_answer(r["label"])) <= PROMPT_CHARSET for r in negative)
 

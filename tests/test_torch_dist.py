@@ -137,7 +137,7 @@ def test_common_pt_carries_megatron_args(ckpt, cfg):
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (4, 128, 4)
     assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (8, 2, 128)
     assert args.padded_vocab_size == cfg.vocab_size and args.tensor_model_parallel_size == 1
-    assert args.dsv4_compress_ratios == [0, 4, 8, 4] and args.dsv4_n_hash_layers == 2
+    assert args.dsv4_compress_ratios == [0, 4, 128, 4] and args.dsv4_n_hash_layers == 2
     assert common["iteration"] == 0 and common["checkpoint_version"] == 3.0
     assert read_common(ckpt / "release")["v4rl"]["hf_config"]["num_hidden_layers"] == 4
 

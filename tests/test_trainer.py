@@ -83,7 +83,10 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_and_update(tiny_checkpoint
     for key in ("train/pg_loss", "train/entropy", "train/grad_norm"):
         assert abs(m_a[key] - m_b[key]) <= 1e-4 * max(1.0, abs(m_b[key])), key
     assert g_a.keys() == g_b.keys() and any("experts" in k for k in g_a)
-    worst = max(((g_a[k] - g_b[k]).abs().max() / g_b[k].abs().max().clamp_min(1e-12)).item() for k in g_a)
+    # Each tensor against its largest entry, floored at 1e-3 of the largest gradient entry of all: a tensor whose
+    # gradient is ~1e-6 of the rest (tiny-cpu's hc_head scale) differs there by fp32 summation order only.
+    floor = 1e-3 * max(g.abs().max().item() for g in g_b.values())
+    worst = max(((g_a[k] - g_b[k]).abs().max() / g_b[k].abs().max().clamp_min(floor)).item() for k in g_a)
     assert worst < 1e-4, f"gradients differ by {worst:.2e} of their largest entry"
 
 

@@ -78,6 +78,14 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows are dropped and counted."),
           eval_data: Path = typer.Option(None, help="Held-out rows in the same format (default: synthetic)."),
+          reward: str = typer.Option("auto", help="auto (literal for the synthetic task, math-verify for --train-data), "
+                                                  "literal, math-verify, or package.module:function with TRL's "
+                                                  "contract f(prompts, completions, label, **kwargs) -> list[float] "
+                                                  "(rl/reward_spec.py; the module must be on PYTHONPATH)."),
+          eval_reward: str = typer.Option("auto", help="Grader of held-out pass@k: auto (literal for the synthetic "
+                                                       "set, math-verify for --eval-data) or any --reward value."),
+          max_grader_error_ratio: float = typer.Option(0.25, help="Fraction of a step's samples whose reward may fail "
+                                                                  "(scored 0, counted) before the run stops."),
           ray: bool = typer.Option(True, help="Host trainer and rollout as Ray actors (loopback-only local cluster "
                                               "unless RAY_ADDRESS is set)."),
           tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write metrics and evals as "
@@ -91,11 +99,13 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
-    config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
-                            metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
-                            loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
-                                            eval_interval=eval_interval, seed=seed, dynamic_sampling=dynamic_sampling))
-    try:
+    try:  # an unknown reward, an import path that does not resolve: a ValueError naming the option and the fix
+        config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
+                                metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
+                                reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
+                                loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
+                                                eval_interval=eval_interval, seed=seed,
+                                                dynamic_sampling=dynamic_sampling))
         summary = run_training(out, config)
     except ValueError as exc:
         _fail(str(exc))

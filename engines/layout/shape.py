@@ -69,7 +69,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, path: str) -> "ModelShape":
-        """From a HF `config.json` (legacy compress_ratios included); imports the model package (torch)."""
+        """From a HF `config.json` in either form (release or transformers'); imports the model package (torch)."""
         from engines.model.config import ModelConfig
 
         return cls.from_config(ModelConfig.from_json_file(path))
@@ -93,7 +93,7 @@ def tiny_cpu_shape() -> ModelShape:
     """The tiny-cpu preset's shape: equals engines.presets.tiny_cpu_model_config() (tested)."""
     return ModelShape(vocab_size=128, hidden_size=128, num_layers=4, num_heads=4, head_dim=64, q_lora_rank=128,
                       o_groups=2, o_lora_rank=64, layer_types=(SLIDING, CSA, HCA, CSA),
-                      mlp_layer_types=(HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE), compress_rates=((CSA, 4), (HCA, 8)),
+                      mlp_layer_types=(HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE), compress_rates=((CSA, 4), (HCA, 128)),
                       sliding_window=24, index_n_heads=8, index_head_dim=16, n_routed_experts=8, top_k=2,
                       moe_intermediate_size=128, hc_mult=4)
 

@@ -1,9 +1,10 @@
 """DeepSeek-V4 model configuration, read from and written to a HF `config.json`.
 
-The field names and defaults follow transformers' `DeepseekV4Config` (5.23), so a directory we write
-loads in transformers and a real DeepSeek-V4 `config.json` loads here. Legacy forms are folded in the
-same way transformers folds them: `compress_ratios` (per-layer 0/4/128), `compress_rate_csa` /
-`compress_rate_hca`, `num_hash_layers`, `qk_rope_head_dim`.
+The field names and defaults follow transformers' `DeepseekV4Config` (5.23). `to_hf_dict` writes DeepSeek's
+release form (what SGLang, Miles' bridge and transformers all read: per-layer `compress_ratios`,
+`num_hash_layers`, `qk_rope_head_dim`, flat YaRN `rope_scaling`, ...); `from_hf_dict` reads that form and
+transformers' own (`layer_types`, `compress_rates`, nested `rope_parameters`). The two forms and their keys:
+engines/model/config_format.py.
 
     >>> cfg = ModelConfig.from_json_file("checkpoints/tiny/config.json")
     >>> cfg.layer_types[:2], cfg.rope_head_dim
@@ -17,14 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
+from engines.model.config_format import (
+    CSA,
+    HASH_MOE,
+    HCA,
+    SLIDING,
+    TOPK_MOE,
+    canonical_rope_scaling,
+    model_fields_from_json,
+    release_config_dict,
+)
+
 LAYER_TYPES = (SLIDING, CSA, HCA)
-HASH_MOE = "hash_moe"
-TOPK_MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, TOPK_MOE)
-_RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 @dataclass(kw_only=True)
@@ -50,7 +56,9 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     """RoPE base of CSA/HCA layers and their compressors (`compress`)."""
     rope_scaling: dict[str, Any] | None = None
-    """YaRN parameters of the `compress` RoPE (`rope_type: yarn`, `factor`, ...), or None for plain RoPE."""
+    """YaRN of the `compress` RoPE in the release's flat form (`type: yarn`, `factor`,
+    `original_max_position_embeddings`, `beta_fast`, `beta_slow`), or None for plain RoPE. Other spellings
+    (`rope_type`, transformers' nested sub-dict) are folded into this one."""
     max_position_embeddings: int = 1048576
     """Longest position the RoPE tables are meant for."""
     layer_types: list[str] = field(default_factory=list)
@@ -128,6 +136,22 @@ class ModelConfig:
             raise ValueError("DeepSeek-V4 keeps head separate from embed; set tie_word_embeddings=false.")
         if self.scoring_func != "sqrtsoftplus":
             raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; DeepSeek-V4 uses sqrtsoftplus.")
+        self.rope_scaling = canonical_rope_scaling(self.rope_scaling)
+        if self.rope_scaling is not None:
+            self._check_rope_scaling(self.rope_scaling)
+
+    @staticmethod
+    def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+        if scaling["type"] != "yarn":
+            raise ValueError(f"rope_scaling type {scaling['type']!r} is not supported; DeepSeek-V4's compressed "
+                             "layers use yarn (or no rope_scaling for plain RoPE).")
+        missing = [k for k in ("factor", "original_max_position_embeddings") if k not in scaling]
+        if missing:  # SGLang raises KeyError on a missing original length, transformers would guess one
+            raise ValueError(f"rope_scaling (yarn) lacks {missing}; give the YaRN factor and the pre-extension "
+                             "context (DeepSeek-V4-Flash: factor 16, original_max_position_embeddings 65536).")
+        if "attention_factor" in scaling:
+            raise ValueError(f"rope_scaling attention_factor {scaling['attention_factor']} is not supported; "
+                             "DeepSeek-V4 does not scale cos/sin (attention factor 1.0): drop the key.")
 
     # ------------------------------------------------------------------ derived shape facts
     @property
@@ -146,44 +170,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Read the fields of a HF DeepSeek-V4 `config.json`, legacy forms included."""
-        d = dict(raw)
-        known = {f.name for f in dataclasses.fields(cls)}
-        n = int(d.get("num_hidden_layers", 43))
-        rates = dict(d.get("compress_rates") or {CSA: 4, HCA: 128})
-        if d.get("compress_rate_csa") is not None:
-            rates[CSA] = int(d["compress_rate_csa"])
-        if d.get("compress_rate_hca") is not None:
-            rates[HCA] = int(d["compress_rate_hca"])
-        layer_types = d.get("layer_types")
-        if layer_types is None and d.get("compress_ratios") is not None:
-            ratios = list(d["compress_ratios"])[:n]
-            unknown = sorted({r for r in ratios if r not in _RATIO_TO_LAYER_TYPE})
-            if unknown:
-                raise ValueError(f"config.json compress_ratios has values {unknown}; only 0, 4 and 128 are known "
-                                 "(use layer_types + compress_rates for other rates).")
-            layer_types = [_RATIO_TO_LAYER_TYPE[r] for r in ratios]
-        if layer_types is None:  # transformers' default: 2x HCA, then CSA/HCA interleaved
-            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        mlp_types = d.get("mlp_layer_types")
-        if mlp_types is None:
-            n_hash = int(d.get("num_hash_layers", 3))
-            mlp_types = [HASH_MOE] * min(n, n_hash) + [TOPK_MOE] * max(0, n - n_hash)
-        prf = d.get("partial_rotary_factor")
-        if prf is None:
-            head_dim = int(d.get("head_dim", 512))
-            prf = d["qk_rope_head_dim"] / head_dim if d.get("qk_rope_head_dim") else 64 / 512
-        rope_scaling = None
-        rope_params = d.get("rope_parameters") or {}
-        compress_params = rope_params.get("compress") if isinstance(rope_params.get("compress"), dict) else None
-        if compress_params is None and isinstance(d.get("rope_scaling"), dict):
-            compress_params = d["rope_scaling"]
-        if compress_params and compress_params.get("rope_type", compress_params.get("type")) not in (None, "default"):
-            rope_scaling = {k: v for k, v in compress_params.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        fields = {k: v for k, v in d.items() if k in known}
-        fields.update(layer_types=list(layer_types)[:n], mlp_layer_types=list(mlp_types)[:n],
-                      compress_rates=rates, partial_rotary_factor=float(prf), rope_scaling=rope_scaling)
-        return cls(**fields)
+        """Read the fields of a HF DeepSeek-V4 `config.json`: the release form, transformers' form, or a mix."""
+        return cls(**model_fields_from_json(raw, {f.name for f in dataclasses.fields(cls)}))
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
@@ -195,21 +183,5 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` body transformers' DeepseekV4Config reads (no quantization fields)."""
-        d = dataclasses.asdict(self)
-        rope_scaling = d.pop("rope_scaling")
-        d.update(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
-                 num_key_value_heads=1, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                 num_nextn_predict_layers=0)
-        compress = {"rope_type": "default", "rope_theta": self.compress_rope_theta,
-                    "partial_rotary_factor": self.partial_rotary_factor}
-        if rope_scaling:
-            compress.update(rope_scaling)
-            if compress.get("rope_type") == "yarn":
-                compress.setdefault("attention_factor", 1.0)
-        d["rope_parameters"] = {
-            "main": {"rope_type": "default", "rope_theta": self.rope_theta,
-                     "partial_rotary_factor": self.partial_rotary_factor},
-            "compress": compress,
-        }
-        return d
+        """The `config.json` body in DeepSeek's release form (no storage fields: checkpoints/hf.py adds them)."""
+        return release_config_dict(self)

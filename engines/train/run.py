@@ -12,7 +12,6 @@ step K so a caller (the Prefect flow) can run a long job as retryable segments.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -27,13 +26,14 @@ from engines.train.runlog import RunLog
 from engines.train.sinks import check_sink_names, open_sinks
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
+from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
-DATA_FIELDS = ("train_data", "eval_data")
-"""Left out of config.json while empty, so runs written before these fields existed resume unchanged."""
+NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto"}
+"""Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
 ROLLOUT_API_KEY_ENV = "V4RL_ROLLOUT_API_KEY"
 """When set, the run's rollout server requires this key (SGLang's --api-key semantics) and the client sends it;
 it is read from the environment only, never written to config.json, metrics, events or logs."""
@@ -76,6 +76,16 @@ class TrainRunConfig:
     """Grade in a pool of this many workers (0: in the driver thread)."""
     grader_pool: str = "thread"
     """thread or process (spawned workers; the reward function must be picklable)."""
+    reward: str = "auto"
+    """How training samples are scored (rl/reward_spec.py): auto (literal for the synthetic task, math-verify for
+    train_data), literal (the last \\boxed{} is a plain number equal to the label), math-verify (equal under
+    math-verify), or package.module:function, a reward function with TRL's contract
+    `f(prompts, completions, label, **kwargs) -> list[float]`. An unknown name, an import path that does not
+    resolve or a function with another signature is a ValueError naming this field and the fix."""
+    eval_reward: str = "auto"
+    """How held-out samples are graded for pass@k (a sample solves its problem when its reward is > 0): auto
+    (literal for the synthetic held-out set, math-verify for eval_data; not the training reward, so pass@k stays a
+    task metric), or any value `reward` accepts."""
     mismatch_threshold: float = 0.09
     """Mean train/rollout |Δlogprob| per step over which a step counts against the mismatch budget."""
     mismatch_steps: int = 3
@@ -90,11 +100,13 @@ class TrainRunConfig:
 
     def __post_init__(self) -> None:
         self.metric_sinks = check_sink_names(self.metric_sinks)
+        self.reward = check_reward_spec(self.reward, "reward")
+        self.eval_reward = check_reward_spec(self.eval_reward, "eval_reward")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in DATA_FIELDS:
-            if not out[name]:
+        for name, default in NEW_FIELD_DEFAULTS.items():
+            if out[name] == default:
                 del out[name]
         return out
 
@@ -147,6 +159,21 @@ def record_dataset(run_dir: Path, what: str, report, log: Callable[[str], None])
         append_event(Path(run_dir), event)
 
 
+def _graders(config: TrainRunConfig, decode: Callable[[list[int]], str], train_sample: tuple[list[int], str],
+             eval_sample: tuple[list[int], str], log: Callable[[str], None]) -> tuple[Grader, Grader]:
+    """The training and the evaluation grader (one Grader when both datasets resolve to the same reward), each
+    checked before any worker starts: a built-in on its golden cases, a user's function on one sample per set."""
+    train = resolve_reward(config.reward, config.train_data, "reward")
+    held_out = resolve_reward(config.eval_reward, config.eval_data, "eval_reward")
+    for choice, what, (prompt_ids, label) in ((train, "reward", train_sample), (held_out, "eval_reward", eval_sample)):
+        check_reward(choice, decode(prompt_ids), label, what)
+    log(f"reward: {train.name} (training, reward={config.reward}), {held_out.name} (held-out pass@k, "
+        f"eval_reward={config.eval_reward})")
+    options = dict(max_error_ratio=config.max_grader_error_ratio, workers=config.grader_workers, pool=config.grader_pool)
+    grader = train.grader(**options)
+    return grader, grader if held_out.name == train.name else held_out.grader(**options)
+
+
 def _graded_step(step: int, run_dir: Path, **kwargs):
     """rl.loop.rollout_step; a step stopped by too many reward-function failures is recorded in events.jsonl."""
     try:
@@ -173,7 +200,6 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     from transformers import AutoTokenizer
 
     from engines.train.actors import HTTPRollout
-    from rl.rewards import strict_math_reward
 
     # The sinks start on their first row, inside the `with` below that closes them (also on failure)
     runlog = RunLog(run_dir, sinks=open_sinks(config.metric_sinks, run_dir, config=config.to_dict()))
@@ -182,9 +208,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer, Path(run_dir), log)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    grader = Grader(functools.partial(strict_math_reward, literal_only=True),
-                    max_error_ratio=config.max_grader_error_ratio, workers=config.grader_workers,
-                    pool=config.grader_pool)  # type: ignore[arg-type]
+    grader, eval_grader = _graders(config, decode, (prompts[0], labels[0]), (eval_prompts[0], eval_labels[0]), log)
     reported_grader_errors: set[str] = set()
     api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
@@ -196,7 +220,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir))
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})
-    with runlog.sinks, grader, workers as (trainer, rollout_url, call):
+    with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call):
         client = SGLangClient(rollout_url, api_key=api_key, timeout=config.call_timeout_s,
                               generate_timeout=config.call_timeout_s, update_timeout=config.call_timeout_s)
         if api_key:
@@ -212,7 +236,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
         if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:
             runlog.write_eval(0, evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
                                           max_new_tokens=config.loop.max_new_tokens, decode=decode,
-                                          grader=grader, seed=config.loop.seed + 99))
+                                          grader=eval_grader, seed=config.loop.seed + 99))
         budget = MismatchBudget(config.mismatch_threshold, config.mismatch_steps, config.mismatch_action)
         step = start + 1
         while step <= last:
@@ -220,7 +244,8 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
             try:
                 groups, metrics = _graded_step(step, Path(run_dir), rollout=rollout, prompts=prompts, labels=labels,
                                                config=config.loop, decode=decode, grader=grader)
-                _grader_events(Path(run_dir), grader, reported_grader_errors, step, metrics)
+                for used in [grader] if eval_grader is grader else [grader, eval_grader]:
+                    _grader_events(Path(run_dir), used, reported_grader_errors, step, metrics)
                 t1 = time.monotonic()
                 metrics.update(call(trainer.train_step, "a GRPO step", groups,
                                     advantages_of(groups, config.loop.normalize_std)))
@@ -235,7 +260,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
             runlog.append_metrics(step, metrics)
             if should_run(step, config.loop.eval_interval, config.steps):
                 result = evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
-                                  max_new_tokens=config.loop.max_new_tokens, decode=decode, grader=grader,
+                                  max_new_tokens=config.loop.max_new_tokens, decode=decode, grader=eval_grader,
                                   seed=config.loop.seed + 99)
                 runlog.write_eval(step, result)
                 metrics.update({f"eval/math/{k}": v for k, v in result.items() if k.startswith("pass@")})

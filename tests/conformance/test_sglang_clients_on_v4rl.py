@@ -46,7 +46,10 @@ def test_sgl_function_with_gen_and_select(v4rl_url, sglang_worker, tiny_checkpoi
 def test_send_one_prompt(v4rl_url, sglang_worker):
     out = sglang_worker.call("send_one", url=v4rl_url, prompt=PROMPT, timeout=300)
     assert out["acc_length"] == 1.0 and out["speed"] > 0  # it returns (0, 0) on any non-200 answer
-    assert re.search(r"\|\s*[\d.]+\s*\|\s*8\s*\|", out["printed"]), out["printed"]  # latency, 8 tokens
+    with SGLangClient(v4rl_url) as ours:  # its request: greedy, 8 new tokens at most (EOS may end it sooner)
+        tokens = ours.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    n = tokens["meta_info"]["completion_tokens"]
+    assert re.search(rf"\|\s*[\d.]+\s*\|\s*{n}\s*\|", out["printed"]), out["printed"]  # latency, tokens
 
 
 def test_kl_logprob_checks(v4rl_url, sglang_worker, tmp_path, tiny_checkpoint):
