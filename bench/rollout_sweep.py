@@ -149,6 +149,7 @@ def _describe(cfg: ModelConfig) -> dict[str, Any]:
 def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.Tensor, repeats: int,
                    threads: int | None) -> dict[str, Any]:
     """Ours over HTTP and transformers' generate, alternating, both on a compute thread with these threads."""
+    from engines.model.fused_model import shape_signature
     from engines.rollout.engine import EngineConfig, RolloutEngine
     from engines.rollout.server import RolloutServer
     from engines.rollout.sglang import SGLangClient
@@ -171,7 +172,8 @@ def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.T
             ours(rows[:2], {"max_new_tokens": 2, "ignore_eos": True})  # warm-up (and the kernels' check), both sides
             hf(prompts[:2], 2)
             runs = [(ours(rows, sampling), hf(prompts, case.new_tokens)) for _ in range(repeats)]
-            kernel_state = server.engine.status()["native_kernels"]
+            checked = server.engine.status()["native_kernels"]["fused_decode"]["checked"]
+            signature = shape_signature(case.model)
     finally:
         worker.shutdown()
     tokens = case.batch * case.new_tokens
@@ -179,7 +181,7 @@ def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.T
             "ours_tok_s": tokens / min(o for o, _ in runs), "transformers_tok_s": tokens / min(h for _, h in runs),
             "speedup": statistics.median(h / o for o, h in runs),
             "runs_s": [{"ours": o, "transformers": h} for o, h in runs],
-            "fused_decode": kernel_state["fused_decode"]["checked"]}
+            "fused_decode": {signature: checked.get(signature)}}  # this shape only: the process may hold others
 
 
 def _breakdown(model_dir: Path, reference, prompts: torch.Tensor, steps: int = 5) -> dict[str, Any]:

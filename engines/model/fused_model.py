@@ -132,13 +132,6 @@ class FusedModel:
         return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.float32, torch.int64)
                    for t in self._sources)
 
-    def _signature(self) -> str:
-        c = self.cfg
-        kinds = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
-        return (f"hidden {c.hidden_size}, layers {'-'.join(kinds[t] for t in c.layer_types)}, heads "
-                f"{c.num_attention_heads}x{c.head_dim}, experts {c.n_routed_experts} top-{c.num_experts_per_tok}, "
-                f"index top-{c.index_topk}")
-
     # ------------------------------------------------------------------ runtime weights
     def _current_plans(self) -> list[_LayerPlan]:
         # Inference tensors (a model built under inference_mode) keep no version counter: their pointers only.
@@ -291,7 +284,7 @@ class FusedModel:
 
     # ------------------------------------------------------------------ the check
     def _check(self) -> bool:
-        signature = self._signature()
+        signature = shape_signature(self.cfg)
         problem = self._compare_decode() or self._compare_full()
         fused.record_check(signature, problem is None)
         if problem is not None:
@@ -330,6 +323,14 @@ class FusedModel:
             moved = self.model.full_torch(ids, False, streams=_perturbed(streams, g))[0].log_softmax(-1).flatten(0, 1)
             got = self.full(ids, False, streams=streams)[0].log_softmax(-1).flatten(0, 1)
         return _differs("prefill log-probabilities", want, got, (want - moved).abs().amax(-1) <= CHECK_BOUND)
+
+
+def shape_signature(cfg) -> str:
+    """The model shape a fused check's result is recorded under (`fused.status()["checked"]`)."""
+    kinds = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
+    return (f"hidden {cfg.hidden_size}, layers {'-'.join(kinds[t] for t in cfg.layer_types)}, heads "
+            f"{cfg.num_attention_heads}x{cfg.head_dim}, experts {cfg.n_routed_experts} top-{cfg.num_experts_per_tok}, "
+            f"index top-{cfg.index_topk}")
 
 
 def _perturbed(streams: torch.Tensor, g: torch.Generator) -> torch.Tensor:
