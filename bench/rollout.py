@@ -5,12 +5,10 @@
    its HTTP server (and in-process) against transformers' `generate` (do_sample, KV cache), both
    computing on a worker thread of the same process. Goal >= 3x.
 2. Time to first token: a 1-token request for one prompt, and for the 64-prompt batch, both sides.
-3. Where a decode step's time goes, both sides at 1 thread on the same 64 rows after the same prefill: aten
-   ops dispatched per step, wall time per step, and the part spent inside matmul kernels (profiler self time of
-   mm/bmm/addmm/baddbmm; a native kernel call of engines/model/kernels.py is not an aten op).
-   `speedup_bound_matmul_only` is transformers' step time over our matmul time: what a decode step could gain
-   against transformers if everything but the matmuls cost nothing; `generation_speedup_bound_matmul_only` is
-   the same for the whole generation (our prefill + 31 decode steps against transformers' 1-thread generate).
+3. Where a decode step's time goes, both sides at 1 thread on the same 64 rows after the same prefill
+   (bench/decode_profile.py: aten ops, wall time, aten matmul time, and for ours the time in each fused
+   kernel); `generation_speedup_model_only` is transformers' 1-thread generate time over our model's prefill +
+   31 decode steps (what the engine's scheduler, sampling and HTTP leave of the model's speed).
 4. Update latency: export + quantize (checkpoints/hf.py, the `v4rl export --format hf-fp8` layout) +
    `/update_weights_from_disk` (load + post-process), against restarting the server from disk
    (`v4rl serve-rollout` process stopped, a new one started, until /health_generate answers). Goal <= 0.25x.
@@ -35,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,9 +43,9 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench import load_average, machine_info  # noqa: E402
+from bench.decode_profile import step_profiles, timed  # noqa: E402
 from engines.model import kernels  # noqa: E402
 
 BATCH, NEW_TOKENS = 64, 32
@@ -105,12 +102,6 @@ def _prompts(model_dir: Path) -> list[list[int]]:
     return [[tok.bos_token_id] + tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 # ---------------------------------------------------------------------------------------------- generation
 def _generation(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict[str, Any]:
     """Both sides at each thread setting; the headline compares each side's best setting."""
@@ -160,14 +151,14 @@ def _generation_at(model_dir: Path, prompts: list[list[int]], repeats: int, thre
 
         def http(batch: list[list[int]], params: dict[str, Any]) -> float:
             engine.flush_cache()  # every run prefills from scratch
-            return _timed(lambda: client.generate_ids(batch, params, return_logprob=True))
+            return timed(lambda: client.generate_ids(batch, params, return_logprob=True))
 
         def in_process() -> float:
             engine.flush_cache()
             specs = [RequestSpec(rid=f"b{i}", input_ids=p, seed=i, return_logprob=True,
                                  sampling=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
                      for i, p in enumerate(prompts)]
-            return _timed(lambda: engine.generate(specs))
+            return timed(lambda: engine.generate(specs))
 
         http(prompts[:4], {"max_new_tokens": 4})  # warm-up, both sides
         hf(4, ids[:4])
@@ -193,19 +184,16 @@ def _generation_at(model_dir: Path, prompts: list[list[int]], repeats: int, thre
 
 def _hf_generate(model: Any, batch: torch.Tensor, n_new: int) -> float:
     with torch.inference_mode():
-        return _timed(lambda: model.generate(
+        return timed(lambda: model.generate(
             input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0, top_k=0,
             top_p=1.0, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=model.config.pad_token_id))
 
 
 # ---------------------------------------------------------------------------------------------- one decode step
-MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"})
-
-
 def _decode_step_breakdown(model_dir: Path, prompts: list[list[int]], hf_generate_s: float,
                            steps: int = 10) -> dict[str, Any]:
-    """Ops, time and matmul time of one batched decode step: ours (model.decode) and transformers (cached forward);
-    plus the matmul time of our whole generation (prefill + decode steps), against transformers' generate time."""
+    """One batched decode step, both sides (bench/decode_profile.py), and our model's whole generation (prefill +
+    decode steps, no scheduler, sampling or HTTP) against transformers' 1-thread generate."""
     from engines.model import DecodeBatch
     from engines.score import load_ours, load_reference
 
@@ -213,66 +201,30 @@ def _decode_step_breakdown(model_dir: Path, prompts: list[list[int]], hf_generat
     tokens = ids[:, -1].clone()  # any valid ids: a step's cost does not depend on which
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    ours_model, reference = load_ours(model_dir), load_reference(model_dir)
+    ours_model.fused_kernels = True  # as the rollout engine runs it
     try:
         with torch.inference_mode():
-            ours_model, reference = load_ours(model_dir), load_reference(model_dir)
-
             def generation() -> None:
-                batch = DecodeBatch.from_caches(ours_model.cfg, ours_model.prefill(ids)[1])
+                batch = DecodeBatch.from_caches(ours_model.cfg, ours_model.prefill(ids, all_logits=False)[1])
                 for _ in range(NEW_TOKENS - 1):
                     ours_model.decode(tokens, batch)
 
-            generation()  # warm-up
-            generation_matmul_ms = _matmul_ms(generation, 1)
-            batch = DecodeBatch.from_caches(ours_model.cfg, ours_model.prefill(ids)[1])
-            ours = _profile_step(lambda: ours_model.decode(tokens, batch), steps)
-            past = reference(input_ids=ids, use_cache=True).past_key_values
-            hf = _profile_step(lambda: reference(input_ids=tokens[:, None], past_key_values=past, use_cache=True),
-                               steps)
+            generation()  # warm-up (and the fused kernels' check)
+            generation_ms = min(timed(generation) for _ in range(3)) * 1e3
+            ours, hf = step_profiles(ours_model, reference, ids, tokens, steps)
     finally:
         torch.set_num_threads(threads)
     return {"rows": len(prompts), "threads": 1, "ours": ours, "transformers": hf,
             "speedup": hf["step_ms"] / ours["step_ms"],
-            "speedup_bound_matmul_only": hf["step_ms"] / ours["matmul_ms"],
-            "ours_generation_matmul_ms": generation_matmul_ms,
-            "transformers_generate_ms": hf_generate_s * 1e3,
-            "generation_speedup_bound_matmul_only": hf_generate_s * 1e3 / generation_matmul_ms,
-            "note": "ops: aten ops dispatched per step (TorchDispatchMode); matmul_ms: profiler self time of "
-                    "mm/bmm/addmm/baddbmm per step; step_ms: wall time per step without the profiler; the "
-                    "generation bound divides transformers' 1-thread generate time by the matmul time of our "
-                    "prefill + decode steps for the same batch (sampling and HTTP left out)"}
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts the aten ops dispatched while active (below autograd: what actually runs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _profile_step(step: Callable[[], Any], steps: int) -> dict[str, float]:
-    for _ in range(3):  # warm-up (allocator, caches grown past their first doubling)
-        step()
-    with _CountOps() as counted:
-        step()
-    step_ms = min(_timed(step) for _ in range(steps)) * 1e3
-    matmul_ms = _matmul_ms(step, steps)
-    return {"ops": counted.count, "step_ms": step_ms, "matmul_ms": matmul_ms, "matmul_share": matmul_ms / step_ms}
-
-
-def _matmul_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """Profiler self time of the matmul kernels per call of fn, in ms."""
-    from torch.profiler import profile
-
-    with profile() as prof:
-        for _ in range(repeats):
-            fn()
-    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / repeats / 1e3
+            "ours_generation_model_ms": generation_ms, "transformers_generate_ms": hf_generate_s * 1e3,
+            "generation_speedup_model_only": hf_generate_s * 1e3 / generation_ms,
+            "note": "ops: aten ops dispatched per step (a fused kernel call is not one); matmul_ms: profiler self "
+                    "time of aten mm/bmm/addmm/baddbmm per step (ours multiply inside the fused `linear` and "
+                    "`moe`); kernels_ms: wall ms per step in each fused kernel; step_ms: wall time per step "
+                    "without the profiler; generation_speedup_model_only: transformers' 1-thread generate time "
+                    "over our model's prefill + decode steps for the same batch (the engine's scheduler, "
+                    "sampling and HTTP left out)"}
 
 
 # ---------------------------------------------------------------------------------------------- updates
@@ -291,8 +243,8 @@ def _update_latency(model_dir: Path, tmp: Path, repeats: int) -> dict[str, Any]:
         with SGLangClient(url, timeout=120) as client:
             for k in range(repeats):
                 out = tmp / f"export-{k}"
-                exports.append(_timed(lambda: save_hf_checkpoint(out, cfg, trained, tokenizer_dir=model_dir)))
-                loads.append(_timed(lambda: client.update_weights_from_disk(str(out), weight_version=str(k))))
+                exports.append(timed(lambda: save_hf_checkpoint(out, cfg, trained, tokenizer_dir=model_dir)))
+                loads.append(timed(lambda: client.update_weights_from_disk(str(out), weight_version=str(k))))
         restarts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -348,11 +300,11 @@ def _print_summary(r: dict[str, Any], json_out: Path) -> None:
               f"{f['transformers_one_prompt_s'] * 1e3:.0f} ms; batch ours {f['ours_batch_s'] * 1e3:.0f} ms vs "
               f"{f['transformers_batch_s'] * 1e3:.0f} ms")
     d = r["decode_step"]
+    kernels = ", ".join(f"{k} {v:.1f}" for k, v in list(d["ours"]["kernels_ms"].items())[:4])
     print(f"one decode step of {d['rows']} rows, 1 thread: ours {d['ours']['ops']} ops, {d['ours']['step_ms']:.1f} ms "
-          f"(matmuls {d['ours']['matmul_ms']:.1f} ms); transformers {d['transformers']['ops']} ops, "
-          f"{d['transformers']['step_ms']:.1f} ms (matmuls {d['transformers']['matmul_ms']:.1f} ms); "
-          f"bound with free non-matmul work: {d['speedup_bound_matmul_only']:.2f}x per step, "
-          f"{d['generation_speedup_bound_matmul_only']:.2f}x for the whole generation")
+          f"({kernels}, other {d['ours']['other_ms']:.1f} ms); transformers {d['transformers']['ops']} ops, "
+          f"{d['transformers']['step_ms']:.1f} ms (matmuls {d['transformers']['matmul_ms']:.1f} ms) -> "
+          f"{d['speedup']:.2f}x; model-only generation {d['generation_speedup_model_only']:.2f}x")
     print(f"throughput ({BATCH} prompts x {NEW_TOKENS} new tokens, sampling), each at its best threads: "
           f"{t['speedup_http']:.2f}x (goal >= {THROUGHPUT_GOAL}x)")
     print(f"update: export+quantize {u['export_quantize_s']:.2f}s + load+post-process {u['load_post_process_s']:.2f}s "

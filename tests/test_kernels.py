@@ -171,3 +171,136 @@ def test_concurrent_builds_into_one_cache_all_load_the_same_library(tmp_path):
     outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert len(set(outputs)) == 1 and [p.name for p in tmp_path.iterdir()] == [Path(outputs[0]).name]
+
+
+# ---------------------------------------------------------------------------------------------- fused model kernels
+def _fused_model(seed: int = 0):
+    from engines.model import DeepseekV4
+    from engines.presets import tiny_cpu_model_config
+    from engines.train.hf_model import build_reference_model, native_from_reference
+
+    cfg = tiny_cpu_model_config()
+    model = DeepseekV4(cfg).eval()
+    model.load_state_dict(native_from_reference(build_reference_model(cfg, seed=seed)))
+    model.fused_kernels = True
+    return model
+
+
+def _generation(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    from engines.model import DecodeBatch
+
+    with torch.inference_mode():
+        logits, caches = model.prefill(ids)
+        batch, out = DecodeBatch.from_caches(model.cfg, caches), [logits]
+        for step in range(steps):
+            out.append(model.decode(ids[:, step], batch))
+    return out
+
+
+@needs_compiler
+def test_fused_model_is_checked_before_use_and_reported():
+    model = _fused_model()
+    assert model.fused.usable()
+    state = kernels.status()["fused_decode"]
+    assert state["enabled"] and state["error"] is None and state["library"].endswith(".so")
+    assert list(state["checked"].values()) == [True]
+
+
+@needs_compiler
+def test_fused_results_do_not_depend_on_the_thread_count():
+    """Each output is computed by one task in a fixed order, whichever thread runs it (fidelity gates compare
+    two engines bit for bit)."""
+    model = _fused_model()
+    ids = torch.randint(3, model.cfg.vocab_size, (40, 37), generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _generation(model, ids, 12)
+        torch.set_num_threads(4)
+        four = _generation(model, ids, 12)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, four))
+
+
+@needs_compiler
+def test_fused_kernels_switch_off_with_the_environment(monkeypatch):
+    model = _fused_model()
+    ids = torch.randint(3, model.cfg.vocab_size, (3, 30), generator=torch.Generator().manual_seed(3))
+    fused_out = _generation(model, ids, 6)
+    for variable in ("V4RL_FUSED_DECODE", "V4RL_NATIVE_KERNELS"):
+        monkeypatch.setenv(variable, "0")
+        assert not model.fused.usable()
+        torch_out = _generation(model, ids, 6)
+        model.fused_kernels = False
+        reference = _generation(model, ids, 6)
+        model.fused_kernels = True
+        assert all(torch.equal(a, b) for a, b in zip(torch_out, reference))  # exactly the torch ops
+        assert all((a - b).abs().max() < 1e-4 for a, b in zip(fused_out, torch_out))
+        monkeypatch.delenv(variable)
+
+
+@needs_compiler
+def test_a_fused_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatch, caplog):
+    from engines.model import fused
+
+    real = fused.attend
+    monkeypatch.setattr(fused, "attend", lambda *a, **k: real(*a, **k) * 1.01)
+    model = _fused_model()
+    with caplog.at_level(logging.WARNING, logger="v4rl.kernels"):
+        assert not model.fused.usable()
+    assert any("differ from the torch ops" in r.getMessage() for r in caplog.records)
+    assert list(kernels.status()["fused_decode"]["checked"].values()) == [False]
+    ids = torch.randint(3, model.cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
+    out = _generation(model, ids, 3)
+    model.fused_kernels = False
+    assert all(torch.equal(a, b) for a, b in zip(out, _generation(model, ids, 3)))
+
+
+@needs_compiler
+def test_fused_weights_follow_in_place_updates():
+    """A weight update (load_state_dict copies in place) reaches the packed runtime copies before the next step."""
+    from engines.train.hf_model import build_reference_model, native_from_reference
+
+    model = _fused_model(seed=0)
+    ids = torch.randint(3, model.cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    _generation(model, ids, 2)
+    model.load_state_dict(native_from_reference(build_reference_model(model.cfg, seed=1)))
+    updated = _generation(model, ids, 4)
+    model.fused_kernels = False
+    assert all((a - b).abs().max() < 1e-4 for a, b in zip(updated, _generation(model, ids, 4)))
+
+
+@needs_compiler
+def test_native_sampler_equals_its_torch_form():
+    """fused.c's inverse-CDF sampler and the same algorithm in torch ops (sampling._sample_torch) pick the same
+    tokens for the same draws, and report the RAW log-softmax of the chosen token."""
+    from engines.model import fused
+    from engines.rollout.sampling import _sample_torch
+
+    assert fused.library() is not None
+    g = torch.Generator().manual_seed(6)
+    logits = 3 * torch.randn(200, 97, generator=g)
+    temperatures = torch.tensor([0.0, 0.5, 1.0, 1.7] * 50)
+    uniforms = torch.rand(200, generator=g, dtype=torch.float64)
+    tokens, logprobs = fused.sample(logits, temperatures, uniforms)
+    want_tokens, want_logprobs = _sample_torch(logits, temperatures, uniforms)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-5
+    raw = torch.log_softmax(logits, -1)
+    assert torch.allclose(torch.tensor(logprobs), raw[torch.arange(200), torch.tensor(tokens)], atol=1e-5)
+    assert tokens[::4] == logits[::4].argmax(-1).tolist()  # temperature 0
+
+
+def test_inverse_cdf_sampling_draws_from_the_softmax():
+    """Frequencies over many draws match softmax(logits / t) (chi-square well below its 99.9% quantile)."""
+    from engines.rollout.sampling import SamplingParams, UniformStream, sample_rows
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]]).repeat(4000, 1)
+    params = [SamplingParams(temperature=0.8)] * 4000
+    streams = [UniformStream(torch.Generator().manual_seed(i)) for i in range(4000)]
+    tokens, _ = sample_rows(logits, params, streams)
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    expected = torch.softmax(logits[0] / 0.8, -1).double() * 4000
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001

@@ -4,7 +4,8 @@ decode against our own full-sequence scoring.
 Pins: every layer type (sliding, CSA with the lightning indexer, HCA), hash and top-k MoE, mHC, sinks,
 grouped output projection, sequences longer than the window so compressed entries matter, and ragged
 shapes (sequence lengths that are not multiples of the compression rates). Tolerance: 1e-4 max abs on
-logprobs (measured: ~1e-6).
+logprobs (measured: ~1e-6). Each test runs our model on the torch ops and through the fused native kernels
+(`fused` ids: the rollout engine's path), both held to the same bounds.
 
 One documented difference: when indexer scores tie exactly at the top-k boundary (ReLU can zero every
 head for several entries), we keep the earlier entry, while torch.topk's choice depends on the row
@@ -16,15 +17,19 @@ rule with forced ties.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
-from engines.model import DecodeBatch, DeepseekV4, ModelConfig
+from engines.model import DecodeBatch, DeepseekV4, ModelConfig, kernels
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE
 from engines.model.params import native_param_specs
 from engines.train.hf_model import build_reference_model, native_from_reference
 
 TOL = 1e-4
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
 
 def _config(**overrides) -> ModelConfig:
@@ -51,19 +56,28 @@ CONFIGS = {
 }
 
 
-def _pair(cfg: ModelConfig, seed: int):
+def _pair(cfg: ModelConfig, seed: int, fused: bool = False):
     reference = build_reference_model(cfg, seed=seed).eval()
     native = native_from_reference(reference)
     assert set(native) == set(native_param_specs(cfg))
     ours = DeepseekV4(cfg).eval()
     ours.load_state_dict(native)
+    ours.fused_kernels = fused
+    if fused:
+        assert ours.fused.usable(), kernels.status()
     return reference, ours
 
 
+# Our model on the torch ops, and through the fused native kernels (engines/model/fused_model.py) as the rollout
+# engine runs it: both must meet the same bounds.
+PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="fused", marks=needs_compiler)]
+
+
+@pytest.mark.parametrize("fused", PATHS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_full_sequence_matches_transformers(name):
+def test_full_sequence_matches_transformers(name, fused):
     cfg = CONFIGS[name]
-    reference, ours = _pair(cfg, seed=1)
+    reference, ours = _pair(cfg, seed=1, fused=fused)
     ids = torch.randint(0, cfg.vocab_size, (3, 29), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = reference(input_ids=ids).logits.log_softmax(-1)
@@ -71,10 +85,11 @@ def test_full_sequence_matches_transformers(name):
     assert (want - got).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("fused", PATHS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_cached_decode_matches_full_sequence(name):
+def test_cached_decode_matches_full_sequence(name, fused):
     cfg = CONFIGS[name]
-    _, ours = _pair(cfg, seed=3)
+    _, ours = _pair(cfg, seed=3, fused=fused)
     ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(4))
     prefix = 6
     with torch.no_grad():
@@ -87,11 +102,12 @@ def test_cached_decode_matches_full_sequence(name):
     assert (decoded - full[:, prefix:]).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("fused", PATHS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_rows_at_different_positions_share_a_decode_batch(name):
+def test_rows_at_different_positions_share_a_decode_batch(name, fused):
     """Continuous batching: rows join at other positions, finish early, and each still equals full scoring."""
     cfg = CONFIGS[name]
-    _, ours = _pair(cfg, seed=11)
+    _, ours = _pair(cfg, seed=11, fused=fused)
     ids = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
         full = ours(ids).log_softmax(-1)
@@ -121,10 +137,11 @@ def test_rows_at_different_positions_share_a_decode_batch(name):
             assert (logp - full[r, p]).abs().max().item() < TOL, (r, p)
 
 
-def test_extend_aligns_entry_capacities():
+@pytest.mark.parametrize("fused", PATHS)
+def test_extend_aligns_entry_capacities(fused):
     """A batch whose entry buffers have grown takes rows with smaller ones (and the reverse)."""
     cfg = CONFIGS["mixed"]
-    _, ours = _pair(cfg, seed=13)
+    _, ours = _pair(cfg, seed=13, fused=fused)
     ids = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(14))
     with torch.no_grad():
         full = ours(ids).log_softmax(-1)
@@ -140,10 +157,11 @@ def test_extend_aligns_entry_capacities():
     assert (got[0] - full[0, 5]).abs().max() < TOL and (got[1] - full[1, 21]).abs().max() < TOL
 
 
-def test_forked_caches_decode_independently():
+@pytest.mark.parametrize("fused", PATHS)
+def test_forked_caches_decode_independently(fused):
     """Two samples forked from one prefill must not leak state into each other (n samples per prompt)."""
     cfg = CONFIGS["mixed"]
-    _, ours = _pair(cfg, seed=5)
+    _, ours = _pair(cfg, seed=5, fused=fused)
     ids = torch.randint(0, cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(6))
     other = ids.clone()
     other[0, 7:] = (other[0, 7:] + 1) % cfg.vocab_size
@@ -162,19 +180,21 @@ def test_forked_caches_decode_independently():
     assert (alone.log_softmax(-1) - want_a.log_softmax(-1)).abs().max() < TOL
 
 
-def test_right_padding_does_not_change_valid_positions():
+@pytest.mark.parametrize("fused", PATHS)
+def test_right_padding_does_not_change_valid_positions(fused):
     cfg = CONFIGS["mixed"]
-    _, ours = _pair(cfg, seed=7)
+    _, ours = _pair(cfg, seed=7, fused=fused)
     ids = torch.randint(0, cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
     padded = torch.cat([ids, torch.zeros(1, 11, dtype=torch.long)], dim=1)
     with torch.no_grad():
         assert (ours(ids) - ours(padded)[:, :21]).abs().max() < TOL
 
 
-def test_indexer_ties_break_toward_earlier_entries_in_decode_and_full():
+@pytest.mark.parametrize("fused", PATHS)
+def test_indexer_ties_break_toward_earlier_entries_in_decode_and_full(fused):
     """All indexer scores 0 (zero query projection): every query keeps its earliest entries, both paths."""
     cfg = CONFIGS["mixed"]
-    _, ours = _pair(cfg, seed=9)
+    _, ours = _pair(cfg, seed=9, fused=fused)
     with torch.no_grad():
         for layer in ours.layers:
             if layer.attn.indexer is not None:

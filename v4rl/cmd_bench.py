@@ -1,4 +1,8 @@
-"""`v4rl bench convert|rollout|train|e2e --json OUT`: side-by-side benchmarks (bench/), JSON out."""
+"""`v4rl bench convert|rollout|train|e2e --json OUT`: side-by-side benchmarks (bench/), JSON out.
+
+`v4rl bench rollout --config-sweep --json OUT` runs the rollout bench over several DeepSeek-V4 shapes instead
+(bench/rollout_sweep.py).
+"""
 
 from __future__ import annotations
 
@@ -10,23 +14,30 @@ import typer
 BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train", "e2e": "bench.e2e"}
 STEPS_BENCHES = ("e2e",)
 """Benchmarks that take --steps."""
+SWEEPS = {"rollout": "bench.rollout_sweep"}
+"""Benchmarks with a --config-sweep variant."""
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(name: str = typer.Argument(..., help=f"One of {', '.join(BENCHES)}."),
               json_out: Path = typer.Option(..., "--json", help="Where to write the results."),
-              steps: int = typer.Option(None, "--steps", min=1, help="GRPO steps per side (e2e only; default 20).")
-              ) -> None:
+              steps: int = typer.Option(None, "--steps", min=1, help="GRPO steps per side (e2e only; default 20)."),
+              config_sweep: bool = typer.Option(False, "--config-sweep",
+                                                help="rollout only: several DeepSeek-V4 shapes instead of tiny-cpu "
+                                                     "(writes a PNG beside the JSON).")) -> None:
         """Run a side-by-side benchmark against its named peer; ratios measured in the same run."""
         if name not in BENCHES:
             raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
         if steps is not None and name not in STEPS_BENCHES:
             raise typer.BadParameter(f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}")
+        if config_sweep and name not in SWEEPS:
+            raise typer.BadParameter(f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}")
+        target = SWEEPS[name] if config_sweep else BENCHES[name]
         try:
-            module = importlib.import_module(BENCHES[name])
+            module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
-            if exc.name != BENCHES[name]:
+            if exc.name != target:
                 raise
             typer.secho(f"benchmark {name!r} is not built yet", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)

@@ -95,14 +95,19 @@ class Compressor(nn.Module):
 
     def full(self, x: torch.Tensor, keep_state: bool) -> tuple[torch.Tensor, list[CompressorState] | None]:
         """All entries of whole sequences [B, S, H] -> [B, T, out_dim] (+ per-sequence states to continue from)."""
-        kv, gate = self.wkv(x), self.wgate(x)
-        usable = (x.shape[1] // self.rate) * self.rate
+        return self.full_projected(self.wkv(x), self.wgate(x), keep_state)
+
+    def full_projected(self, kv: torch.Tensor, gate: torch.Tensor, keep_state: bool
+                       ) -> tuple[torch.Tensor, list[CompressorState] | None]:
+        """`full` from the raw projections kv/gate [B, S, width] (the open window's rows are copied into the states,
+        so a state never keeps a whole prefill's projections alive)."""
+        usable = (kv.shape[1] // self.rate) * self.rate
         entries, overlap = self.pool(kv[:, :usable], gate[:, :usable], 0, None)
         if not keep_state:
             return entries, None
-        states = [CompressorState(kv[b, usable:], gate[b, usable:], entries[b], self.rate, self.overlap,
-                                  None if overlap is None else overlap[0][b:b + 1],
-                                  None if overlap is None else overlap[1][b:b + 1]) for b in range(x.shape[0])]
+        states = [CompressorState(kv[b, usable:].clone(), gate[b, usable:].clone(), entries[b], self.rate,
+                                  self.overlap, None if overlap is None else overlap[0][b:b + 1],
+                                  None if overlap is None else overlap[1][b:b + 1]) for b in range(kv.shape[0])]
         return entries, states
 
     def step(self, x: torch.Tensor, slots: "CompressorSlots", positions: torch.Tensor) -> None:
@@ -257,9 +262,13 @@ class Attention(nn.Module):
         cfg = self.cfg
         W = cfg.sliding_window
         q, kv, q_residual, (cos, sin) = self._project(x, positions)
-        keys = torch.cat([cache.window, kv.to(cache.window.dtype)], dim=1)  # [B, W, hd], this token last
-        cache.window = keys[:, 1:]
         pos = positions[:, 0]
+        rows = torch.arange(x.shape[0], device=x.device)
+        cache.window[rows, pos % W] = kv[:, 0].to(cache.window.dtype)  # the ring's oldest row: see decode_batch.py
+        # The window's keys in position order (pos-W+1 .. pos), so sums run in the order they always did; slots
+        # before the sequence's start are masked by position.
+        order = (pos[:, None] + torch.arange(1 - W, 1, device=x.device)) % W
+        keys = cache.window[rows[:, None], order]  # [B, W, hd], this token last
         allowed = (torch.arange(W, device=x.device) >= (W - 1 - pos)[:, None]).unsqueeze(1)  # [B, 1, W]
         if self.compressor is not None:
             self.compressor.step(x[:, 0], cache.compressor, pos)

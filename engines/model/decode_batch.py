@@ -5,8 +5,9 @@ with the prefix cache). A decode step wants the opposite: one [B, ...] tensor pe
 layer does one matmul for the whole batch whatever each sequence's position. `DecodeBatch` is that
 layout; rows are sequences, and sequences at different positions share it:
 
-  window      [B, W-1, hd]   the last W-1 K=V rows, right-aligned (rows of a short sequence are
-                             left-padded and masked by position)
+  window      [B, W, hd]     a ring of the last K=V rows: position p lives in slot p % W; the next
+                             token overwrites the oldest, so a step writes one row instead of
+                             shifting W (slots a short sequence has not reached are masked by position)
   buffer_*    [B, rate, w]   the compressor's open window; the next token goes to slot position % rate
   entries     [B, cap, d]    emitted compressed entries, position // rate of them valid per row;
                              `cap` grows (doubling) as sequences get longer
@@ -84,7 +85,7 @@ class DecodeBatch:
         layers = []
         for i in range(len(caches[0].layers)):
             per_seq = [c.layers[i] for c in caches]
-            window = torch.stack([_left_pad(lc.window, cfg.sliding_window - 1) for lc in per_seq])
+            window = torch.stack([_ring(lc.window, c.position, cfg.sliding_window) for c, lc in zip(caches, per_seq)])
             comp = idx = None
             if per_seq[0].compressor is not None:
                 cap = max(lc.compressor.entries.shape[0] for lc in per_seq) + 1
@@ -93,6 +94,28 @@ class DecodeBatch:
                     idx = _stack_states([lc.indexer for lc in per_seq], cap)
             layers.append(LayerSlots(window, comp, idx))
         return cls(positions, layers)
+
+    def clone(self) -> "DecodeBatch":
+        """An independent copy (every tensor cloned)."""
+        copy = DecodeBatch(self.positions.clone(), [])
+        for layer in self.layers:
+            slots = [None if s is None else CompressorSlots(**{n: None if t is None else t.clone()
+                                                               for n, t in s._fields().items()})
+                     for s in (layer.compressor, layer.indexer)]
+            copy.layers.append(LayerSlots(layer.window.clone(), *slots))
+        return copy
+
+    def named_tensors(self, other: "DecodeBatch"):
+        """(name, ours, other's) for every cache tensor of two batches with the same layout."""
+        yield "positions", self.positions, other.positions
+        for i, (a, b) in enumerate(zip(self.layers, other.layers)):
+            yield f"layers.{i}.window", a.window, b.window
+            for part in ("compressor", "indexer"):
+                mine, theirs = getattr(a, part), getattr(b, part)
+                if mine is not None:
+                    for name, t in mine._fields().items():
+                        if t is not None:
+                            yield f"layers.{i}.{part}.{name}", t, getattr(theirs, name)
 
     def select(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keep only these rows, in this order."""
@@ -122,8 +145,11 @@ class DecodeBatch:
                         setattr(a, name, torch.cat([t, getattr(b, name)]))
 
 
-def _left_pad(rows: torch.Tensor, length: int) -> torch.Tensor:
-    return F.pad(rows, (0, 0, length - rows.shape[0], 0))
+def _ring(rows: torch.Tensor, end: int, slots: int) -> torch.Tensor:
+    """The window ring of a sequence whose last len(rows) K=V rows end before position `end`."""
+    ring = rows.new_zeros(slots, rows.shape[-1])
+    ring[torch.arange(end - rows.shape[0], end) % slots] = rows
+    return ring
 
 
 def _right_pad(rows: torch.Tensor, length: int) -> torch.Tensor:

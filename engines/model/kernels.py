@@ -19,6 +19,9 @@ autograd's) on random inputs: any difference (another torch version may reduce i
 usable compiler means the torch ops are used instead, with one warning that says why and how to fix it.
 Nothing changes numerically either way; only speed. V4RL_NATIVE_KERNELS=0 turns the kernels off.
 
+`NativeLibrary` is the build-and-load machinery; fused.py uses it for the fused prefill/decode kernels, which
+are checked within a bound instead (their sums run in another order), and `status()` reports both.
+
     from engines.model import kernels
     kernels.status()                 # {"enabled": True, "library": "...so", "error": None, "verified": {4: True}}
     .venv/bin/python -m pytest tests/test_kernels.py -q
@@ -43,16 +46,10 @@ import torch
 
 log = logging.getLogger("v4rl.kernels")
 SOURCE = Path(__file__).with_name("kernels.c")
+HEADERS = (SOURCE.with_name("sinkhorn.h"),)
 CFLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 """No fused multiply-add and no reassociation: both would round differently from torch."""
 BUILD_TIMEOUT_S = 120
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_library_path: str | None = None
-_error: str | None = None
-_loaded = False
-_verified: dict[int, bool] = {}
 
 
 def enabled() -> bool:
@@ -66,69 +63,124 @@ def cache_dir() -> Path:
     return base / "v4rl" / "kernels"
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile kernels.c into `out_dir` (default cache_dir()) unless the same build is there; returns the .so."""
+def _cpu_identity() -> bytes:
+    """What `-march=native` compiles for: the CPU's feature flags (a cache shared by other CPUs must not reuse it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
+def build(out_dir: Path | None = None, *, sources: tuple[Path, ...] = (SOURCE,), cflags: tuple[str, ...] = CFLAGS,
+          headers: tuple[Path, ...] = HEADERS) -> Path:
+    """Compile `sources` into one library in `out_dir` (default cache_dir()) unless the same build is there (the key
+    covers the sources, the headers they include, the compiler, its flags and the machine); returns the .so."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC to a C compiler)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    parts = [f.read_bytes() for f in (*sources, *headers)]
+    parts += [compiler.encode(), " ".join(cflags).encode(), platform.machine().encode()]
+    if "-march=native" in cflags:
+        parts.append(_cpu_identity())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
-    target = out_dir / f"libv4rl_kernels-{key}.so"
+    target = out_dir / f"libv4rl_{sources[0].stem}-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=out_dir)
     os.close(fd)
+    names = " ".join(str(f) for f in sources)
     try:
-        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        proc = subprocess.run([compiler, *cflags, *map(str, sources), "-o", tmp, "-lm", "-lpthread"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to compile {SOURCE} (exit {proc.returncode}): "
+            raise RuntimeError(f"{compiler} failed to compile {names} (exit {proc.returncode}): "
                                f"{(proc.stderr or proc.stdout).strip()[:2000]}")
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{compiler} did not compile {SOURCE} within {BUILD_TIMEOUT_S} s") from exc
+        raise RuntimeError(f"{compiler} did not compile {names} within {BUILD_TIMEOUT_S} s") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _library_path, _error, _loaded
-    with _lock:
-        if not _loaded:
-            _loaded = True
+Signature = tuple[Any, list[Any]]
+"""(restype, argtypes) of one exported C function."""
+
+
+class NativeLibrary:
+    """C sources compiled into one library on first use (the first flag set that compiles), loaded once per process
+    with the given signatures; a build or load failure is remembered and logged once as a warning."""
+
+    def __init__(self, sources: tuple[Path, ...], flag_sets: tuple[tuple[str, ...], ...],
+                 signatures: dict[str, Signature], headers: tuple[Path, ...] = ()) -> None:
+        self.sources, self.headers, self.flag_sets, self.signatures = sources, headers, flag_sets, signatures
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.lib: ctypes.CDLL | None = None
+        self.path: str | None = None
+        self.error: str | None = None
+        self._loaded = False
+
+    def load(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._loaded:
+                self._loaded = True
+                try:
+                    lib = ctypes.CDLL(str(self._build()))
+                    for name, (restype, argtypes) in self.signatures.items():
+                        fn = getattr(lib, name)
+                        fn.restype, fn.argtypes = restype, argtypes
+                    self.lib, self.path = lib, lib._name
+                except (OSError, RuntimeError, AttributeError) as exc:
+                    self.error = str(exc)
+                    log.warning("native kernels of %s unavailable, using torch ops: %s", self.sources[0].name, exc)
+        return self.lib
+
+    def _build(self) -> Path:
+        for i, flags in enumerate(self.flag_sets):
             try:
-                path = str(build())
-                lib = ctypes.CDLL(path)
-                lib.v4rl_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                              ctypes.c_float]
-                lib.v4rl_sinkhorn.restype = None
-                lib.v4rl_sinkhorn_backward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
-                lib.v4rl_sinkhorn_backward.restype = ctypes.c_int
-                _library, _library_path = lib, path
-            except (OSError, RuntimeError) as exc:
-                _error = str(exc)
-                log.warning("native kernels unavailable, using torch ops (same results, slower): %s", exc)
-    return _library
+                return build(sources=self.sources, cflags=flags, headers=self.headers)
+            except RuntimeError:
+                if i == len(self.flag_sets) - 1:
+                    raise
+        raise RuntimeError(f"no flag set given for {self.sources[0]}")
+
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_sinkhorn_library = NativeLibrary((SOURCE,), (CFLAGS,), headers=HEADERS, signatures={
+    "v4rl_sinkhorn": (None, [_P, _I64, _I64, _I64, _F32]),
+    "v4rl_sinkhorn_backward": (_INT, [_P, _P, _P, _I64, _I64, _I64, _F32]),
+})
+_verified: dict[int, bool] = {}
+
+
+def _load() -> ctypes.CDLL | None:
+    return _sinkhorn_library.load()
 
 
 def reset() -> None:
-    """Forget the loaded library and every check (tests: after changing the environment)."""
-    global _library, _library_path, _error, _loaded
-    with _lock:
-        _library, _library_path, _error, _loaded = None, None, None, False
-        _verified.clear()
+    """Forget the loaded libraries and every check (tests: after changing the environment)."""
+    from engines.model import fused
+
+    _sinkhorn_library.reset()
+    _verified.clear()
+    fused.reset()
 
 
 def status() -> dict[str, Any]:
     """What the kernels are doing in this process (for benchmarks and /server_info)."""
-    return {"enabled": enabled(), "library": _library_path, "error": _error,
-            "verified": dict(_verified)}
+    from engines.model import fused
+
+    return {"enabled": enabled(), "library": _sinkhorn_library.path, "error": _sinkhorn_library.error,
+            "verified": dict(_verified), "fused_decode": fused.status()}
 
 
 # ---------------------------------------------------------------------------------------------- Sinkhorn
@@ -155,7 +207,7 @@ def _sinkhorn_forward(comb: torch.Tensor, iters: int, eps: float) -> torch.Tenso
     out = comb.detach().clone(memory_format=torch.contiguous_format)
     n = comb.shape[-1]
     if out.numel():
-        _library.v4rl_sinkhorn(out.data_ptr(), out.numel() // (n * n), n, iters, eps)
+        _sinkhorn_library.lib.v4rl_sinkhorn(out.data_ptr(), out.numel() // (n * n), n, iters, eps)
     return out
 
 
@@ -175,7 +227,7 @@ class _Sinkhorn(torch.autograd.Function):
         comb, grad = comb.contiguous(), grad.to(torch.float32).contiguous()
         out = torch.empty_like(comb)
         n = comb.shape[-1]
-        if out.numel() and _library.v4rl_sinkhorn_backward(comb.data_ptr(), grad.data_ptr(), out.data_ptr(),
+        if out.numel() and _sinkhorn_library.lib.v4rl_sinkhorn_backward(comb.data_ptr(), grad.data_ptr(), out.data_ptr(),
                                                            out.numel() // (n * n), n, ctx.iters, ctx.eps) != 0:
             raise MemoryError(f"v4rl_sinkhorn_backward could not allocate its scratch ({n}x{n}, {ctx.iters} iters)")
         return out, None, None

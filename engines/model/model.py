@@ -22,6 +22,7 @@ from engines.model import faults
 from engines.model.attention import Attention, LayerCache
 from engines.model.config import ModelConfig
 from engines.model.decode_batch import DecodeBatch
+from engines.model.fused_model import FusedModel
 from engines.model.layers import MoE, RMSNorm, hc_head, hc_merge, hc_weights
 
 
@@ -81,6 +82,11 @@ class DeepseekV4(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_kernels = False
+        """Run prefill, forward and decode through the fused native kernels (fused_model.py) where they apply. Off
+        by default, so scoring, alignment and the bootstrap's evaluation keep the torch ops' exact numbers (the
+        committed base checkpoint was selected with them); the rollout engine turns it on."""
+        self._fused: FusedModel | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,14 +113,33 @@ class DeepseekV4(nn.Module):
         """Logits [B, S, vocab] of whole sequences starting at position 0 (right padding is harmless)."""
         return self._full(token_ids, keep_cache=False, trace=trace)[0]
 
-    def prefill(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, list[SequenceCache]]:
-        """Like forward, plus one cache per sequence to continue decoding from (all sequences of equal length)."""
-        return self._full(token_ids, keep_cache=True)
+    def prefill(self, token_ids: torch.Tensor, *, all_logits: bool = True) -> tuple[torch.Tensor, list[SequenceCache]]:
+        """Like forward, plus one cache per sequence to continue decoding from (all sequences of equal length).
+        all_logits=False returns the last position's logits only ([B, 1, vocab]: all a sampler needs)."""
+        return self._full(token_ids, keep_cache=True, all_logits=all_logits)
 
-    def _full(self, token_ids: torch.Tensor, keep_cache: bool, trace: list[dict] | None = None):
+    @property
+    def fused(self) -> FusedModel:
+        if self._fused is None:
+            self._fused = FusedModel(self)
+        return self._fused
+
+    def _full(self, token_ids: torch.Tensor, keep_cache: bool, trace: list[dict] | None = None,
+              all_logits: bool = True):
+        """Whole sequences through the fused kernels (fused_model.py: checked against the torch ops before first
+        use, equal within its CHECK_BOUND) when `fused_kernels` is on and they apply, else the torch ops. A trace
+        needs the torch ops."""
+        if self.fused_kernels and trace is None and self.fused.usable():
+            return self.fused.full(token_ids, keep_cache, all_logits)
+        return self.full_torch(token_ids, keep_cache, trace, all_logits)
+
+    def full_torch(self, token_ids: torch.Tensor, keep_cache: bool, trace: list[dict] | None = None,
+                   all_logits: bool = True, streams: torch.Tensor | None = None):
+        """`_full` with torch ops only (the reference the fused kernels are checked against); `streams`: the
+        initial residual streams [B, S, hc, D] instead of the embedding's (the check perturbs them)."""
         B, S = token_ids.shape
         positions = torch.arange(S, device=token_ids.device).expand(B, S)
-        streams = self._streams(token_ids)
+        streams = self._streams(token_ids) if streams is None else streams
         caches = [SequenceCache(position=S) for _ in range(B)] if keep_cache else None
         for i, layer in enumerate(self.layers):
             layer_trace = {} if trace is not None else None
@@ -130,13 +155,22 @@ class DeepseekV4(nn.Module):
             streams = layer(streams, route_ids, attention, layer_trace)
             if trace is not None:
                 trace.append(layer_trace)
-        return self._logits(streams), caches
+        return self._logits(streams if all_logits else streams[:, -1:]), caches
 
     def decode(self, token_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row by one position."""
+        """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row by one position.
+
+        Runs the fused kernels (as `_full`) when `fused_kernels` is on and they apply, else the torch ops."""
+        if self.fused_kernels and self.fused.usable():
+            return self.fused.decode(token_ids, batch)
+        return self.decode_torch(token_ids, batch)
+
+    def decode_torch(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """`decode` with torch ops only (the reference of the fused kernels); `streams` as in full_torch."""
         positions = batch.positions.view(-1, 1).to(token_ids.device)
         ids = token_ids.view(-1, 1)
-        streams = self._streams(ids)
+        streams = self._streams(ids) if streams is None else streams
         for i, layer in enumerate(self.layers):
             def attention(x, layer=layer, i=i):
                 return layer.attn.forward_decode(x, positions, batch.layers[i])

@@ -7,11 +7,16 @@ step for every running request (row i of one `DecodeBatch` is `_running[i]`; req
 positions share it). Callers on other threads talk to it only through futures, so HTTP handlers, tests and
 benchmarks never touch the model.
 
+The model runs through the fused native kernels (engines/model/fused_model.py; checked against the torch ops
+before first use, the torch ops where they do not apply), and a prefill projects only its last position to
+the vocabulary unless a request asks for prompt logprobs.
+
 Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, min_new_tokens,
 stop_token_ids, stop strings, ignore_eos, a per-request seed). Every request draws from its own
 torch.Generator seeded from its seed, so its tokens do not depend on what else is scheduled (up to
-float ties). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer recomputes
-(SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
+float ties); temperature-only rows sample by inverse CDF with one uniform draw each, all rows in one native
+call (sampling.py `sample_rows`). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer
+recomputes (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
 
 Control, with SGLang's semantics (reference/miles-sglang-megatron.md §2.2):
   pause(mode)   abort: finish everything with finish_reason abort | retract: running requests go back
@@ -31,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,7 +57,8 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     UpdateResult,
     weight_version_spans,
 )
-from engines.rollout.sampling import sample_tokens
+from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
+from engines.rollout.sampling import UniformStream, sample_rows
 from engines.rollout.weights import (
     RawTensor,
     WeightStore,
@@ -65,8 +71,6 @@ from engines.rollout.weights import (
 )
 
 log = logging.getLogger("v4rl.rollout")
-PREFILL_CHUNK = 64
-"""Sequences per prefill forward (bounds the [B, S, vocab] logits tensor)."""
 
 
 class _Request:
@@ -74,7 +78,7 @@ class _Request:
 
     def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future) -> None:
         self.spec, self.stop_ids, self.future = spec, stop_ids, future
-        self.generator = torch.Generator().manual_seed(spec.seed % (2**63))
+        self.stream = UniformStream(torch.Generator().manual_seed(spec.seed % (2**63)))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top: list[list[tuple[float, int]]] = []
@@ -90,14 +94,6 @@ class _Request:
     @property
     def sequence(self) -> list[int]:
         return self.spec.input_ids + self.output_ids
-
-
-@dataclass
-class _PrefixEntry:
-    cache: SequenceCache
-    last_logits: torch.Tensor
-    token_logprobs: list[float]
-    """logprob of token i given tokens < i, for i = 1 .. len-1."""
 
 
 @dataclass
@@ -117,6 +113,7 @@ class RolloutEngine:
         self.store = WeightStore.from_dir(self.model_dir)
         self.cfg = self.store.cfg
         self.model = prepare_runtime_model(self.cfg, DTYPES[self.config.dtype])
+        self.model.fused_kernels = True  # checked against the torch ops before first use (engines/model/fused_model.py)
         rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz)  # the cold-start path
         self.tokenizer = _load_tokenizer(self.model_dir)
         eos = self.cfg.eos_token_id
@@ -127,7 +124,9 @@ class RolloutEngine:
         self._running: list[_Request] = []
         self._batch: DecodeBatch | None = None
         """Decode caches of `_running`, row i for request i (None when nothing runs)."""
-        self._prefix: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
+        self._last_decode: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
+        self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
@@ -370,17 +369,22 @@ class RolloutEngine:
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def _prefill(self, reqs: list[_Request]) -> None:
-        hits: dict[tuple[int, ...], _PrefixEntry] = {}
+        hits: dict[tuple[int, ...], PrefixEntry] = {}
         tops: dict[tuple[int, ...], int] = {}
+        scored: set[tuple[int, ...]] = set()
         for r in reqs:
             key = tuple(r.sequence)
             wants_top = r.spec.top_logprobs_num if r.input_logprobs is None else 0
-            if key in self._prefix and not wants_top:
-                hits[key] = self._prefix[key]
-                self._prefix.move_to_end(key)
+            wants_logprobs = r.input_logprobs is None and _wants_prompt_logprobs(r.spec)
+            cached = None if wants_top else self._prefix.hit(key, needs_logprobs=wants_logprobs)
+            if cached is not None:
+                hits[key] = cached
             else:
                 tops[key] = max(tops.get(key, 0), wants_top)
-        fresh = self._prefill_sequences(tops)
+                if wants_logprobs or wants_top:
+                    scored.add(key)
+        fresh, prefilled = self._prefix.prefill(tops, scored)
+        self._stats["prefill_tokens"] += prefilled
         seen: set[tuple[int, ...]] = set()
         started: list[tuple[_Request, SequenceCache]] = []
         for r in reqs:
@@ -405,37 +409,7 @@ class RolloutEngine:
                 self._batch.extend(rows)
             self._running.extend(r for r, _ in started)
 
-    def _prefill_sequences(self, tops: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], tuple[_PrefixEntry, Any]]:
-        """Prefill each distinct sequence once (equal lengths batched); `tops`: sequence -> top-k wanted."""
-        out: dict[tuple[int, ...], tuple[_PrefixEntry, Any]] = {}
-        by_len: dict[int, list[tuple[int, ...]]] = {}
-        for k in tops:
-            by_len.setdefault(len(k), []).append(k)
-        for group in by_len.values():
-            for i in range(0, len(group), PREFILL_CHUNK):
-                chunk = group[i:i + PREFILL_CHUNK]
-                ids = torch.tensor(chunk, dtype=torch.long)
-                logits, caches = self.model.prefill(ids)
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                token_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
-                for j, key in enumerate(chunk):
-                    k = tops.get(key, 0)
-                    top = _topk_rows(logp[j, :-1], k) if k else None
-                    entry = _PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j])
-                    out[key] = (entry, top)
-                    self._remember(key, entry)
-                self._stats["prefill_tokens"] += ids.numel()
-        return out
-
-    def _remember(self, key: tuple[int, ...], entry: _PrefixEntry) -> None:
-        if self.config.prefix_cache_entries <= 0:
-            return
-        self._prefix[key] = entry
-        self._prefix.move_to_end(key)
-        while len(self._prefix) > self.config.prefix_cache_entries:
-            self._prefix.popitem(last=False)
-
-    def _set_input_logprobs(self, r: _Request, token_lp: list[float], top: list | None) -> None:
+    def _set_input_logprobs(self, r: _Request, token_lp: list[float] | None, top: list | None) -> None:
         n = len(r.spec.input_ids)
         if not r.spec.return_logprob:
             r.input_logprobs = []
@@ -444,7 +418,7 @@ class RolloutEngine:
         if start >= n:  # output tokens only
             r.input_logprobs, r.input_top = [], []
             return
-        r.input_logprobs = [None] + token_lp[start:n - 1]
+        r.input_logprobs = [None] + (token_lp[start:n - 1] if start < n - 1 else [])
         if r.spec.top_logprobs_num:
             r.input_top = [None] + (top[start:n - 1] if top is not None else [])
 
@@ -452,30 +426,35 @@ class RolloutEngine:
     @torch.inference_mode()
     def _decode_step(self) -> None:
         rows = self._running
-        logits = torch.stack([r.next_logits for r in rows])
-        raw = torch.log_softmax(logits.float(), dim=-1)
-        for i, r in enumerate(rows):
-            if len(r.output_ids) < r.spec.min_new_tokens and r.stop_ids:
-                logits[i] = logits[i].index_fill(0, torch.tensor(sorted(r.stop_ids)), float("-inf"))
-        tokens = sample_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows])
-        token_logprobs = raw.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        last = self._last_decode
+        if last is not None and len(last[1]) == len(rows) and all(r.next_logits is v for r, v in zip(rows, last[1])):
+            logits = last[0]  # every row continues from the last step, in order: no per-row gather
+        else:
+            logits = torch.stack([r.next_logits for r in rows])
+        banned = {i: sorted(r.stop_ids) for i, r in enumerate(rows)
+                  if len(r.output_ids) < r.spec.min_new_tokens and r.stop_ids}
+        tokens, token_logprobs = sample_rows(logits, [r.spec.sampling for r in rows], [r.stream for r in rows], banned)
+        self._stats["generated_tokens"] += len(rows)
         keep: list[_Request] = []
         for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.output_ids.append(tok)
             r.output_logprobs.append(token_logprobs[i])
             if r.spec.top_logprobs_num:
-                r.output_top.append(_topk_rows(raw[i:i + 1], r.spec.top_logprobs_num)[0])
-            self._stats["generated_tokens"] += 1
+                raw = torch.log_softmax(logits[i:i + 1].float(), dim=-1)
+                r.output_top.append(topk_rows(raw, r.spec.top_logprobs_num)[0])
             reason = self._finish_reason(r, tok)
             if reason is None:
                 keep.append(r)
             else:
                 self._finish(r, reason)
         self._keep_running(keep)
+        self._last_decode = None
         if keep:
             nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch)
-            for i, r in enumerate(keep):
-                r.next_logits = nxt[i]
+            views = nxt.unbind(0)
+            for r, v in zip(keep, views):
+                r.next_logits = v
+            self._last_decode = (nxt, views)
 
     def _keep_running(self, keep: list[_Request]) -> None:
         """Shrink `_running` (and its decode rows) to `keep`, a subsequence of it."""
@@ -564,10 +543,9 @@ class RolloutEngine:
         self.weight_version = version
 
 
-def _topk_rows(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
-    """Per row of a [N, vocab] logprob tensor: the k best (logprob, token id) pairs."""
-    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+def _wants_prompt_logprobs(spec: RequestSpec) -> bool:
+    """Whether a request returns any prompt-token logprob (SGLang: from logprob_start_len; -1 means none)."""
+    return spec.return_logprob and 0 <= spec.logprob_start_len < len(spec.input_ids) - 1
 
 
 def _load_tokenizer(model_dir: Path):

@@ -6,7 +6,9 @@ log_softmax of the unprocessed logits (temperature 1, no top-p/top-k truncation)
 trainer recomputes, so train/rollout differences measure the engines, not the sampler settings.
 
 Every request draws from its own torch.Generator seeded from (seed, sample index), so a request's
-tokens do not depend on what else is in the batch.
+tokens do not depend on what else is in the batch. `generate` (the bootstrap's evaluation) samples with
+torch.multinomial; the rollout engine's `sample_rows` by inverse CDF from blocks of uniform draws (one native
+call per step for every temperature-only row) - the same distribution, other draws.
 
     outs = generate(model, [prompt_ids], SamplingParams(temperature=1.0, max_new_tokens=16), n=8, seed=0)
 """
@@ -83,6 +85,82 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     for i in sorted(set(range(len(params))) - set(plain)):
         tokens[i] = sample_token(logits[i], params[i], generators[i])
     return tokens
+
+
+# ---------------------------------------------------------------------------------------------- the engine's sampler
+class UniformStream:
+    """A request's uniform draws in [0, 1) for inverse-CDF sampling, taken from its own torch.Generator BLOCK at a
+    time (one op per BLOCK tokens instead of one multinomial per token); rows with top-k or top-p draw from the
+    generator itself (`sample_token`)."""
+
+    BLOCK = 64
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self._block: list[float] = []
+        self._next = 0
+
+    def draw(self) -> float:
+        if self._next == len(self._block):
+            self._block = torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64).tolist()
+            self._next = 0
+        self._next += 1
+        return self._block[self._next - 1]
+
+
+def is_plain(params: SamplingParams) -> bool:
+    """Temperature only (the inverse-CDF path): no top-k, no top-p."""
+    return params.top_k <= 0 and params.top_p >= 1.0
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], streams: list[UniformStream],
+                banned: dict[int, list[int]] | None = None) -> tuple[list[int], list[float]]:
+    """The rollout engine's tokens for every row of [B, vocab] logits, and each token's RAW logprob (log_softmax of
+    the unprocessed logits). Plain rows (`is_plain`) sample by inverse CDF with one draw of their stream: the first
+    token whose cumulative weight exp((logit - max) / temperature) (float32, summed in float64 in index order)
+    exceeds the draw times the total (temperature 0: the first maximum), in one native call for all of them (fused.c
+    `v4rl_sample`; the same algorithm in torch ops where the kernels are off). Other rows go through `sample_token`
+    with the stream's generator. `banned`: row -> token ids it may not sample (min_new_tokens), its RAW logprob
+    still from the unmodified logits. A row's token never depends on the other rows."""
+    from engines.model import fused
+
+    banned = banned or {}
+    logits = logits.float()
+    tokens, logprobs = [0] * len(params), [0.0] * len(params)
+    plain = [i for i, p in enumerate(params) if is_plain(p)]
+    others = sorted(set(range(len(params))) - set(plain))
+    if plain:
+        rows = logits[plain].contiguous()
+        for j, i in enumerate(plain):
+            if i in banned:
+                rows[j, banned[i]] = float("-inf")
+        temperatures = torch.tensor([params[i].temperature for i in plain], dtype=torch.float32)
+        uniforms = torch.tensor([streams[i].draw() if params[i].temperature > 0 else 0.0 for i in plain],
+                                dtype=torch.float64)
+        drawn, drawn_lp = (fused.sample if fused.library() is not None else _sample_torch)(rows, temperatures, uniforms)
+        for j, i in enumerate(plain):
+            tokens[i], logprobs[i] = drawn[j], drawn_lp[j]
+    for i in others:
+        row = logits[i].clone()
+        if i in banned:
+            row[banned[i]] = float("-inf")
+        tokens[i] = sample_token(row, params[i], streams[i].generator)
+    for i in sorted(set(banned) | set(others)):  # RAW logprobs from the unmodified logits
+        logprobs[i] = float(torch.log_softmax(logits[i], dim=-1)[tokens[i]])
+    return tokens, logprobs
+
+
+def _sample_torch(rows: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+                  ) -> tuple[list[int], list[float]]:
+    """`v4rl_sample` in torch ops: the same float32 exponentials summed in float64 (in another order)."""
+    top, best = rows.max(dim=-1, keepdim=True)
+    shifted = rows - top
+    raw = shifted.double() - shifted.exp().double().sum(-1, keepdim=True).log()
+    scaled = shifted * (1 / temperatures.clamp_min(1e-30))[:, None]
+    weights = torch.where((temperatures == 1)[:, None], shifted, scaled).exp().double().cumsum(-1)
+    chosen = torch.searchsorted(weights, (uniforms * weights[:, -1])[:, None], right=True)[:, 0]
+    chosen = torch.where(temperatures > 0, chosen.clamp_max(rows.shape[-1] - 1), best[:, 0])
+    return chosen.tolist(), raw.gather(1, chosen[:, None])[:, 0].float().tolist()
 
 
 @torch.inference_mode()

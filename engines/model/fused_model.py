@@ -1,0 +1,442 @@
+"""Our DeepSeek-V4 through the fused native kernels (fused.py): whole sequences and the decode step, checked
+against the torch ops before first use.
+
+Per layer, for every row (a decode step's one token per sequence, or every position of a prefill): mHC
+weights + the block's input norm (one call), one matmul for every projection of the normed input (wq_a, wkv,
+both compressors' wkv/wgate, the indexer's weights_proj, concatenated), the query norm, one matmul for wq_b
+and the indexer's wq_b, per-head norm + RoPE, the K=V row (into the window ring when decoding), the
+compressors (a decode step's window step in C; a prefill's pooling stays the torch ops of
+attention.Compressor, a handful per layer), the indexer's top-k, sink attention over the window and the
+chosen entries with V's RoPE undone, the grouped wo_a, wo_b; then mHC merge, mHC weights + norm, routing +
+routed + shared experts (one call), mHC merge. About 20 calls per layer where the torch ops dispatch 300-1800
+(decode) and attend to every earlier position (prefill) instead of the window.
+
+Every weight a kernel multiplies by is a runtime copy packed for fused.c's GEMM (panels of 32 output columns;
+the projections of one input concatenated), rebuilt whenever a source parameter changes (pointer or in-place
+version: a weight update, a test editing a weight). That is a second copy of the model's weights in memory.
+
+Numerics: float32 with the torch ops' formulas, sums in another order. Before first use for a model, `check`
+runs both paths on a synthetic decode batch built to reach every branch (window rings not yet full and
+wrapped, windows closing in this step, CSA rows with more entries than index_topk, rows before their first
+CSA overlap) and on a prefill of random tokens past every compress rate, and requires every row's
+log-probabilities (and, for decode, every cache field) within CHECK_BOUND. A near tie in the indexer's or the
+router's top-k can legitimately flip between two float32 summation orders, so rows where the torch ops
+themselves move by more than CHECK_BOUND when their input streams are perturbed by PERTURBATION (relative)
+are left out, as long as they are at most MAX_SENSITIVE of the rows. A failure falls back to the torch ops
+with a warning.
+
+    fast = FusedModel(model)
+    if fast.usable():
+        logits = fast.decode(token_ids, batch)         # model.decode_torch(token_ids, batch), within bound
+        logits, caches = fast.full(prompt_ids, keep_cache=True, all_logits=False)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engines.model import faults, fused
+from engines.model.attention import LayerCache
+from engines.model.config import CSA, HCA, SLIDING
+from engines.model.decode_batch import CompressorSlots, DecodeBatch, LayerSlots
+from engines.model.layers import rope_cos_sin, rope_inv_freq
+
+log = logging.getLogger("v4rl.kernels")
+CHECK_BOUND = 1e-4
+"""Largest |log-probability| difference (and relative cache difference) the check accepts: the bound
+tests/test_model.py holds our model to against transformers, ~50x the float32 rounding measured."""
+PERTURBATION = 1e-5
+"""Relative noise on the check's input streams that marks rows sensitive to rounding (near ties in a top-k)."""
+MAX_SENSITIVE = 0.1
+"""Fraction of the check's rows that may be left out as sensitive; more fails the check."""
+MIN_WORK_PER_THREAD = 1 << 20
+"""Multiply-adds below which a kernel runs on the calling thread only (starting a thread costs ~20 µs)."""
+
+
+@dataclass
+class _Linear:
+    """A weight [N, K] packed for fused.c's GEMM (fused.pack), with its output width."""
+
+    packed: torch.Tensor
+    n_out: int
+
+    @classmethod
+    def of(cls, w: torch.Tensor, groups: int = 1) -> "_Linear":
+        return cls(fused.pack(w, groups), w.shape[0] // groups)
+
+    def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        K = self.packed.shape[2] * self.packed.shape[0]
+        return fused.linear(x, self.packed, self.n_out, _threads(threads, x.shape[0] * self.n_out * K))
+
+
+@dataclass
+class _LayerPlan:
+    hc_attn: torch.Tensor
+    """hc_attn_fn packed (and hc_ffn below): the mHC projections."""
+    hc_ffn: torch.Tensor
+    proj: _Linear
+    """Every projection of the normed block input (wq_a, wkv, compressors' wkv/wgate, weights_proj), one matmul."""
+    parts: dict[str, tuple[int, int]]
+    """Column range of each projection in proj's output."""
+    q_b: _Linear
+    """wq_b and the indexer's wq_b (both read the normed q_residual)."""
+    wo_a: _Linear
+    """The grouped output projection (o_groups blocks)."""
+    wo_b: _Linear
+    moe: "MoEPlan"
+
+
+@dataclass
+class MoEPlan:
+    gate: torch.Tensor
+    bias: torch.Tensor | None
+    tid2eid: torch.Tensor | None
+    k: int
+    n_experts: int
+    inter: int
+    scaling: float
+    limit: float
+    w13: torch.Tensor
+    """[experts, panels, hidden, PANEL]: each expert's w1 and w3 stacked, packed."""
+    w2: torch.Tensor
+    s13: torch.Tensor
+    """The shared expert's, as w13 and w2 for one expert."""
+    s2: torch.Tensor
+
+
+class FusedModel:
+    """The fused forward and decode step of one DeepseekV4 (see module docstring)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.cfg = model, model.cfg
+        self._sources = [p for p in model.parameters()] + [b for n, b in model.named_buffers() if n.endswith("tid2eid")]
+        self._stamp: tuple | None = None
+        self._plans: list[_LayerPlan] = []
+        self._head: tuple[torch.Tensor, _Linear] | None = None
+        self._checked: bool | None = None
+        self._inv_freq = {kind: rope_inv_freq(self.cfg, kind) for kind in ("main", "compress")}
+
+    # ------------------------------------------------------------------ when
+    def usable(self) -> bool:
+        """Fused kernels enabled, built, float32 contiguous weights, no planted fault, check passed."""
+        if not fused.enabled() or faults.ACTIVE != faults.Faults() or self.model.dtype != torch.float32:
+            return False
+        if self._checked is None:
+            self._checked = fused.library() is not None and self._layout_ok() and self._check()
+        return self._checked
+
+    def _layout_ok(self) -> bool:
+        return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.float32, torch.int64)
+                   for t in self._sources)
+
+    # ------------------------------------------------------------------ runtime weights
+    def _current_plans(self) -> list[_LayerPlan]:
+        # Inference tensors (a model built under inference_mode) keep no version counter: their pointers only.
+        stamp = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in self._sources)
+        if stamp != self._stamp:
+            m = self.model
+            with torch.inference_mode(False), torch.no_grad():
+                self._plans = [_layer_plan(layer, self.cfg) for layer in m.layers]
+                self._head = (fused.pack(m.hc_head_fn), _Linear.of(m.head.weight))
+            self._stamp = stamp
+        return self._plans
+
+    # ------------------------------------------------------------------ forward
+    def decode(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None) -> torch.Tensor:
+        """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row (as decode_torch)."""
+        ids = token_ids.reshape(-1).to(torch.int64).contiguous()
+        pos = batch.positions.contiguous()
+        streams = self.model._streams(ids) if streams is None else streams.reshape(len(ids), *streams.shape[-2:])
+        caches = batch.layers
+        h = self._layers(streams.contiguous(), ids, pos, lambda i, attn, plan, x, rope, threads: self._attend_decode(
+            attn, plan, x, pos, caches[i], rope, int(pos.max()), threads))
+        batch.positions = batch.positions + 1
+        return self._logits(h)
+
+    def full(self, token_ids: torch.Tensor, keep_cache: bool, all_logits: bool = True,
+             streams: torch.Tensor | None = None):
+        """Whole sequences from position 0: (logits [B, S or 1, vocab], per-sequence caches or None), as full_torch."""
+        from engines.model.model import SequenceCache
+
+        B, S = token_ids.shape
+        ids = token_ids.reshape(-1).to(torch.int64).contiguous()
+        pos = torch.arange(S, dtype=torch.int64).repeat(B)
+        streams = self.model._streams(ids) if streams is None else streams.reshape(B * S, *streams.shape[-2:])
+        caches = [SequenceCache(position=S) for _ in range(B)] if keep_cache else None
+
+        def attention(i, attn, plan, x, rope, threads):
+            out, layer_caches = self._attend_full(attn, plan, x, pos, B, S, rope, keep_cache, threads)
+            for c, lc in zip(caches or (), layer_caches or ()):
+                c.layers.append(lc)
+            return out
+
+        h = self._layers(streams.contiguous(), ids, pos, attention)
+        if not all_logits:
+            h = h.view(B, S, *h.shape[1:])[:, -1].contiguous()
+        return self._logits(h).view(B, S if all_logits else 1, -1), caches
+
+    def _layers(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, attention) -> torch.Tensor:
+        """Every decoder layer over rows of streams [rows, hc, D]; attention(i, attn, plan, x, rope, threads)."""
+        m, cfg = self.model, self.cfg
+        plans = self._current_plans()
+        rope = {kind: rope_cos_sin(freq, pos, torch.float32) for kind, freq in self._inv_freq.items()}
+        threads = torch.get_num_threads()
+        moe_work = len(ids) * (cfg.num_experts_per_tok + 1) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        rows, hc, D = streams.shape
+        mhc = _threads(threads, rows * hc * D * (2 + hc) * hc)
+        for i, (layer, plan) in enumerate(zip(m.layers, plans)):
+            post, comb, x = fused.hc_pre(streams, plan.hc_attn, layer.hc_attn_base, layer.hc_attn_scale, cfg,
+                                         layer.attn_norm.weight, layer.attn_norm.eps, mhc)
+            streams = fused.hc_post(streams, attention(i, layer.attn, plan, x, rope, threads), post, comb, mhc)
+            post, comb, x = fused.hc_pre(streams, plan.hc_ffn, layer.hc_ffn_base, layer.hc_ffn_scale, cfg,
+                                         layer.ffn_norm.weight, layer.ffn_norm.eps, mhc)
+            streams = fused.hc_post(streams, fused.moe(x, ids, plan.moe, _threads(threads, moe_work)), post, comb, mhc)
+        return streams
+
+    def _logits(self, streams: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        hc_head, head = self._head
+        threads = torch.get_num_threads()
+        rows, hc, D = streams.shape
+        h = fused.hc_pre(streams, hc_head, m.hc_head_base, m.hc_head_scale, self.cfg, m.norm.weight, m.norm.eps,
+                         _threads(threads, rows * hc * D * hc), head=True)[2]
+        return head(h, threads)
+
+    def _queries(self, attn, plan: _LayerPlan, x: torch.Tensor, rope: dict, threads: int):
+        """(projections by name, attention queries [rows, nh, hd], indexer queries or None, this layer's cos/sin)."""
+        cfg = self.cfg
+        nh, hd = cfg.num_attention_heads, cfg.head_dim
+        p = plan.proj(x, threads)
+        part = {name: p[:, a:b] for name, (a, b) in plan.parts.items()}
+        qq = plan.q_b(fused.rms_norm(part["wq_a"], attn.q_norm.weight, attn.q_norm.eps), threads)
+        cos, sin = rope["main" if attn.kind == SLIDING else "compress"]
+        q = fused.heads_norm_rope(qq[:, :nh * hd], nh, hd, cfg.rms_norm_eps, cos, sin)
+        iq = None
+        if attn.indexer is not None:
+            ccos, csin = rope["compress"]
+            iq = fused.heads_norm_rope(qq[:, nh * hd:], cfg.index_n_heads, cfg.index_head_dim, 0.0, ccos, csin,
+                                       norm=False)
+        return part, q, iq, (cos, sin)
+
+    @staticmethod
+    def _output(plan: _LayerPlan, o: torch.Tensor, threads: int) -> torch.Tensor:
+        rows, nh, hd = o.shape
+        return plan.wo_b(plan.wo_a(o.view(rows, nh * hd), threads), threads)
+
+    def _attend_decode(self, attn, plan: _LayerPlan, x: torch.Tensor, pos: torch.Tensor, cache: LayerSlots,
+                       rope: dict, max_pos: int, threads: int) -> torch.Tensor:
+        cfg = self.cfg
+        part, q, iq, (cos, sin) = self._queries(attn, plan, x, rope, threads)
+        fused.kv_store(part["wkv"], attn.kv_norm.weight, attn.kv_norm.eps, cos, sin, pos, cache.window)
+        entries = sel = None
+        rate = 0
+        if attn.compressor is not None:
+            rate = attn.compressor.rate
+            for slots in (cache.compressor, cache.indexer):
+                if slots is not None:
+                    slots.ensure_capacity((max_pos + 1) // rate)
+            fused.compress_step(part["compressor.wkv"], part["compressor.wgate"], pos, cache.compressor,
+                                attn.compressor)
+            entries = cache.compressor.entries
+            if attn.indexer is not None:
+                fused.compress_step(part["indexer.wkv"], part["indexer.wgate"], pos, cache.indexer,
+                                    attn.indexer.compressor)
+                keys = cache.indexer.entries
+                sel = fused.indexer_select(iq, part["indexer.weights_proj"], keys, rate, pos, cfg.index_topk,
+                                           _threads(threads, iq.numel() * keys.shape[1]))
+        keys = cfg.sliding_window + _entry_keys(entries, sel)
+        o = fused.attend(q, cache.window, pos, entries, rate, sel, attn.attn_sink, cos, sin,
+                         _threads(threads, len(pos) * cfg.num_attention_heads * keys * cfg.head_dim * 2))
+        return self._output(plan, o, threads)
+
+    def _attend_full(self, attn, plan: _LayerPlan, x: torch.Tensor, pos: torch.Tensor, B: int, S: int,
+                     rope: dict, keep_cache: bool, threads: int):
+        cfg = self.cfg
+        part, q, iq, (cos, sin) = self._queries(attn, plan, x, rope, threads)
+        kv = x.new_empty(B * S, 1, cfg.head_dim)  # a one-slot "ring" per row: each row's K=V stored in place
+        fused.kv_store(part["wkv"], attn.kv_norm.weight, attn.kv_norm.eps, cos, sin, pos, kv)
+        entries = sel = comp_states = idx_states = None
+        rate = 0
+        if attn.compressor is not None:
+            rate = attn.compressor.rate
+            entries, comp_states = attn.compressor.full_projected(part["compressor.wkv"].view(B, S, -1),
+                                                                  part["compressor.wgate"].view(B, S, -1), keep_cache)
+            entries = entries.contiguous()
+            if attn.indexer is not None:
+                keys, idx_states = attn.indexer.compressor.full_projected(
+                    part["indexer.wkv"].view(B, S, -1), part["indexer.wgate"].view(B, S, -1), keep_cache)
+                sel = fused.indexer_select(iq, part["indexer.weights_proj"], keys.contiguous(), rate, pos,
+                                           cfg.index_topk, _threads(threads, iq.numel() * keys.shape[1]))
+        n_keys = cfg.sliding_window + _entry_keys(entries, sel)
+        o = fused.attend(q, kv.view(B * S, -1), pos, entries, rate, sel, attn.attn_sink, cos, sin,
+                         _threads(threads, B * S * cfg.num_attention_heads * n_keys * cfg.head_dim * 2),
+                         sliding_window=cfg.sliding_window, seq_len=S)
+        out = self._output(plan, o, threads)
+        if not keep_cache:
+            return out, None
+        kv = kv.view(B, S, -1)
+        return out, [LayerCache(window=kv[b, max(0, S - cfg.sliding_window + 1):],
+                                compressor=comp_states[b] if comp_states else None,
+                                indexer=idx_states[b] if idx_states else None) for b in range(B)]
+
+    # ------------------------------------------------------------------ the check
+    def _check(self) -> bool:
+        signature = shape_signature(self.cfg)
+        problem = self._compare_decode() or self._compare_full()
+        fused.record_check(signature, problem is None)
+        if problem is not None:
+            log.warning("fused kernels differ from the torch ops for %s (%s): using the torch ops (same results "
+                        "within float32 rounding, slower). Report this with your compiler and CPU", signature, problem)
+        return problem is None
+
+    def _compare_decode(self) -> str | None:
+        g = torch.Generator().manual_seed(0)
+        batch = synthetic_batch(self.cfg, g)
+        ids = torch.randint(0, self.cfg.vocab_size, (len(batch),), generator=g)
+        streams = self.model._streams(ids.view(-1, 1))
+        twin, other = batch.clone(), batch.clone()
+        with torch.inference_mode():
+            want = self.model.decode_torch(ids, batch, streams).log_softmax(-1)
+            moved = self.model.decode_torch(ids, other, _perturbed(streams, g)).log_softmax(-1)
+            got = self.decode(ids, twin, streams).log_softmax(-1)
+        stable = (want - moved).abs().amax(-1) <= CHECK_BOUND
+        problem = _differs("decode log-probabilities", want, got, stable)
+        if problem is not None:
+            return problem
+        for name, a, b in batch.named_tensors(twin):
+            rows = stable if a.dim() and a.shape[0] == len(stable) else slice(None)
+            problem = _differs(f"decode cache field {name}", a[rows], b[rows], None, relative=True)
+            if problem is not None:
+                return problem
+        return None
+
+    def _compare_full(self) -> str | None:
+        g = torch.Generator().manual_seed(1)
+        S = max(check_positions(self.cfg)) + 2
+        ids = torch.randint(0, self.cfg.vocab_size, (2, S), generator=g)
+        streams = self.model._streams(ids)
+        with torch.inference_mode():
+            want = self.model.full_torch(ids, False, streams=streams)[0].log_softmax(-1).flatten(0, 1)
+            moved = self.model.full_torch(ids, False, streams=_perturbed(streams, g))[0].log_softmax(-1).flatten(0, 1)
+            got = self.full(ids, False, streams=streams)[0].log_softmax(-1).flatten(0, 1)
+        return _differs("prefill log-probabilities", want, got, (want - moved).abs().amax(-1) <= CHECK_BOUND)
+
+
+def shape_signature(cfg) -> str:
+    """The model shape a fused check's result is recorded under (`fused.status()["checked"]`)."""
+    kinds = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
+    return (f"hidden {cfg.hidden_size}, layers {'-'.join(kinds[t] for t in cfg.layer_types)}, heads "
+            f"{cfg.num_attention_heads}x{cfg.head_dim}, experts {cfg.n_routed_experts} top-{cfg.num_experts_per_tok}, "
+            f"index top-{cfg.index_topk}")
+
+
+def _perturbed(streams: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return streams * (1 + PERTURBATION * torch.randn(streams.shape, generator=g))
+
+
+def _differs(what: str, want: torch.Tensor, got: torch.Tensor, stable: torch.Tensor | None, *,
+             relative: bool = False) -> str | None:
+    """None when got equals want within CHECK_BOUND on the stable rows (and few rows are unstable)."""
+    if stable is not None:
+        if (~stable).float().mean().item() > MAX_SENSITIVE:
+            return f"{what}: {int((~stable).sum())} of {len(stable)} rows are sensitive to float32 rounding"
+        want, got = want[stable], got[stable]
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(want[~finite], got[~finite]):
+        return f"{what}: infinities differ"
+    diff = (want - got).abs()[finite]
+    allowed = CHECK_BOUND * (1 + want.abs()[finite]) if relative else CHECK_BOUND
+    if diff.numel() and not bool((diff <= allowed).all()):
+        return f"{what} differ by up to {diff.max().item():.3g}"
+    return None
+
+
+def _threads(available: int, work: int) -> int:
+    return max(1, min(available, work // MIN_WORK_PER_THREAD))
+
+
+def _entry_keys(entries: torch.Tensor | None, sel: torch.Tensor | None) -> int:
+    if entries is None:
+        return 0
+    return sel.shape[1] if sel is not None else entries.shape[1]
+
+
+def _layer_plan(layer, cfg) -> _LayerPlan:
+    attn = layer.attn
+    blocks = [("wq_a", attn.wq_a.weight), ("wkv", attn.wkv.weight)]
+    if attn.compressor is not None:
+        blocks += [("compressor.wkv", attn.compressor.wkv.weight), ("compressor.wgate", attn.compressor.wgate.weight)]
+    if attn.indexer is not None:
+        ic = attn.indexer.compressor
+        blocks += [("indexer.wkv", ic.wkv.weight), ("indexer.wgate", ic.wgate.weight),
+                   ("indexer.weights_proj", attn.indexer.weights_proj.weight)]
+    parts, start = {}, 0
+    for name, w in blocks:
+        parts[name] = (start, start + w.shape[0])
+        start += w.shape[0]
+    q_b = [attn.wq_b.weight] + ([attn.indexer.wq_b.weight] if attn.indexer is not None else [])
+    return _LayerPlan(hc_attn=fused.pack(layer.hc_attn_fn), hc_ffn=fused.pack(layer.hc_ffn_fn),
+                      proj=_Linear.of(torch.cat([w for _, w in blocks])), parts=parts, q_b=_Linear.of(torch.cat(q_b)),
+                      wo_a=_Linear.of(attn.wo_a.weight, cfg.o_groups), wo_b=_Linear.of(attn.wo_b.weight),
+                      moe=_moe_plan(layer.ffn, cfg))
+
+
+def _moe_plan(moe, cfg) -> MoEPlan:
+    def w13(expert) -> torch.Tensor:
+        return fused.pack(torch.cat([expert.w1.weight, expert.w3.weight]))[0]
+
+    is_hash = moe.gate.is_hash
+    return MoEPlan(gate=fused.pack(moe.gate.weight), bias=None if is_hash else moe.gate.bias,
+                   tid2eid=moe.gate.tid2eid if is_hash else None, k=cfg.num_experts_per_tok,
+                   n_experts=cfg.n_routed_experts, inter=cfg.moe_intermediate_size, scaling=cfg.routed_scaling_factor,
+                   limit=cfg.swiglu_limit, w13=torch.stack([w13(e) for e in moe.experts]),
+                   w2=torch.stack([fused.pack(e.w2.weight)[0] for e in moe.experts]),
+                   s13=w13(moe.shared_experts), s2=fused.pack(moe.shared_experts.w2.weight)[0])
+
+
+# ---------------------------------------------------------------------------------------------- check batch
+def check_positions(cfg) -> list[int]:
+    """Positions that reach every branch of a decode step for this config (see module docstring)."""
+    W = cfg.sliding_window
+    rates = sorted({cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0})
+    positions = {0, 1, W - 2, W - 1, W, 2 * W + 3}
+    for r in rates:
+        positions |= {r - 2, r - 1, r, 2 * r - 1, 2 * r + 1}
+        if CSA in cfg.layer_types and r == cfg.compress_rates[CSA]:
+            beyond = (cfg.index_topk + 2) * r
+            positions |= {beyond - 1, beyond + r // 2, beyond + 2 * r - 1}
+    return sorted(p for p in positions if p >= 0)
+
+
+def synthetic_batch(cfg, g: torch.Generator) -> DecodeBatch:
+    """A DecodeBatch at check_positions with random cache contents (no prefill needed)."""
+    positions = torch.tensor(check_positions(cfg), dtype=torch.long)
+    B, W, hd = len(positions), cfg.sliding_window, cfg.head_dim
+    rates = [cfg.compress_rate(i) for i in range(cfg.num_hidden_layers) if cfg.compress_rate(i)]
+    cap = int(positions.max()) // min(rates or [1]) + 2
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        window = torch.randn(B, W, hd, generator=g)
+        comp = idx = None
+        if kind != SLIDING:
+            rate = cfg.compress_rate(i)
+            comp = _random_slots(B, rate, hd, kind == CSA, cap, positions, g)
+            if kind == CSA:
+                idx = _random_slots(B, rate, cfg.index_head_dim, True, cap, positions, g)
+        layers.append(LayerSlots(window, comp, idx))
+    return DecodeBatch(positions, layers)
+
+
+def _random_slots(B: int, rate: int, d: int, overlap: bool, cap: int, positions: torch.Tensor,
+                  g: torch.Generator) -> CompressorSlots:
+    width = 2 * d if overlap else d
+    slots = CompressorSlots(torch.randn(B, rate, width, generator=g), torch.randn(B, rate, width, generator=g),
+                            torch.randn(B, cap, d, generator=g))
+    if overlap:
+        slots.overlap_kv = torch.randn(B, rate, d, generator=g)
+        slots.overlap_gate = torch.randn(B, rate, d, generator=g)
+        slots.overlap_gate[positions < rate] = float("-inf")  # before the first closed window: no prior
+    return slots
