@@ -19,11 +19,12 @@ Numerics: float32 with the torch ops' formulas, sums in another order. Before fi
 runs both paths on a synthetic decode batch built to reach every branch (window rings not yet full and
 wrapped, windows closing in this step, CSA rows with more entries than index_topk, rows before their first
 CSA overlap) and on a prefill of random tokens past every compress rate, and requires every row's
-log-probabilities (and, for decode, every cache field) within CHECK_BOUND. A near tie in the indexer's or the
-router's top-k can legitimately flip between two float32 summation orders, so rows where the torch ops
-themselves move by more than CHECK_BOUND when their input streams are perturbed by PERTURBATION (relative)
-are left out, as long as they are at most MAX_SENSITIVE of the rows. A failure falls back to the torch ops
-with a warning.
+log-probabilities (and, for decode, every cache field) within CHECK_BOUND of the torch ops', or, for a row
+whose torch result itself moves by more when its input streams are perturbed by PERTURBATION (relative,
+~100x float32 rounding), within that move. Every row is compared: trained weights make many rows that
+sensitive (a near tie in the indexer's or the router's top-k flips between two summation orders, and sharp
+distributions amplify rounding: 171 of 518 prefill rows of the tiny-cpu base), while a kernel bug shows up
+far above both bounds. A failure falls back to the torch ops with a warning.
 
     fast = FusedModel(model)
     if fast.usable():
@@ -49,9 +50,8 @@ CHECK_BOUND = 1e-4
 """Largest |log-probability| difference (and relative cache difference) the check accepts: the bound
 tests/test_model.py holds our model to against transformers, ~50x the float32 rounding measured."""
 PERTURBATION = 1e-5
-"""Relative noise on the check's input streams that marks rows sensitive to rounding (near ties in a top-k)."""
-MAX_SENSITIVE = 0.1
-"""Fraction of the check's rows that may be left out as sensitive; more fails the check."""
+"""Relative noise on the check's input streams; how far it moves a row's torch result is that row's own bound
+where it exceeds CHECK_BOUND (near ties in a top-k, sharp distributions)."""
 MIN_WORK_PER_THREAD = 1 << 20
 """Multiply-adds below which a kernel runs on the calling thread only (starting a thread costs ~20 µs)."""
 
@@ -302,13 +302,11 @@ class FusedModel:
             want = self.model.decode_torch(ids, batch, streams).log_softmax(-1)
             moved = self.model.decode_torch(ids, other, _perturbed(streams, g)).log_softmax(-1)
             got = self.decode(ids, twin, streams).log_softmax(-1)
-        stable = (want - moved).abs().amax(-1) <= CHECK_BOUND
-        problem = _differs("decode log-probabilities", want, got, stable)
+        problem = _differs("decode log-probabilities", want, got, moved)
         if problem is not None:
             return problem
-        for name, a, b in batch.named_tensors(twin):
-            rows = stable if a.dim() and a.shape[0] == len(stable) else slice(None)
-            problem = _differs(f"decode cache field {name}", a[rows], b[rows], None, relative=True)
+        for (name, a, b), (_, _, c) in zip(batch.named_tensors(twin), batch.named_tensors(other)):
+            problem = _differs(f"decode cache field {name}", a, b, c, relative=True)
             if problem is not None:
                 return problem
         return None
@@ -322,7 +320,7 @@ class FusedModel:
             want = self.model.full_torch(ids, False, streams=streams)[0].log_softmax(-1).flatten(0, 1)
             moved = self.model.full_torch(ids, False, streams=_perturbed(streams, g))[0].log_softmax(-1).flatten(0, 1)
             got = self.full(ids, False, streams=streams)[0].log_softmax(-1).flatten(0, 1)
-        return _differs("prefill log-probabilities", want, got, (want - moved).abs().amax(-1) <= CHECK_BOUND)
+        return _differs("prefill log-probabilities", want, got, moved)
 
 
 def shape_signature(cfg) -> str:
@@ -337,20 +335,30 @@ def _perturbed(streams: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return streams * (1 + PERTURBATION * torch.randn(streams.shape, generator=g))
 
 
-def _differs(what: str, want: torch.Tensor, got: torch.Tensor, stable: torch.Tensor | None, *,
+def _differs(what: str, want: torch.Tensor, got: torch.Tensor, moved: torch.Tensor, *,
              relative: bool = False) -> str | None:
-    """None when got equals want within CHECK_BOUND on the stable rows (and few rows are unstable)."""
-    if stable is not None:
-        if (~stable).float().mean().item() > MAX_SENSITIVE:
-            return f"{what}: {int((~stable).sum())} of {len(stable)} rows are sensitive to float32 rounding"
-        want, got = want[stable], got[stable]
+    """None when every row of got equals want (the torch ops) within CHECK_BOUND (relative: times 1 + |want|)
+    or within how far the row moved under PERTURBATION (moved: the torch ops on perturbed inputs)."""
+    want, got, moved = want.double(), got.double(), moved.double()  # integer cache fields too
     finite = torch.isfinite(want)
     if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(want[~finite], got[~finite]):
         return f"{what}: infinities differ"
-    diff = (want - got).abs()[finite]
-    allowed = CHECK_BOUND * (1 + want.abs()[finite]) if relative else CHECK_BOUND
-    if diff.numel() and not bool((diff <= allowed).all()):
-        return f"{what} differ by up to {diff.max().item():.3g}"
+    if not want.numel():
+        return None
+    rows = lambda t: t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)  # noqa: E731
+    zero = torch.zeros((), dtype=want.dtype)
+    diff = rows(torch.where(finite, (want - got).abs(), zero))
+    allowed = CHECK_BOUND * (1 + rows(torch.where(finite, want.abs(), zero))) if relative else \
+        torch.full_like(diff, CHECK_BOUND)
+    both = finite & torch.isfinite(moved)
+    sensitivity = rows(torch.where(both, (want - moved).abs(), zero)).amax(-1, keepdim=True)
+    sensitivity = torch.where(rows(torch.isfinite(moved) == finite).all(-1, keepdim=True), sensitivity,
+                              torch.full_like(sensitivity, float("inf")))  # masking itself moved: any value
+    bad = diff > torch.maximum(allowed, sensitivity)
+    if bool(bad.any()):
+        worst = int(bad.any(-1).nonzero()[0])
+        return (f"{what} differ by up to {diff[bad].max().item():.3g} ({int(bad.any(-1).sum())} of {diff.shape[0]} "
+                f"rows; row {worst} moves by {sensitivity[worst].item():.3g} under perturbation)")
     return None
 
 
