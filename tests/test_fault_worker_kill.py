@@ -51,6 +51,13 @@ def _prefect(env: dict, *args: str, timeout: float = 300) -> str:
     return proc.stdout
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "(exited)"
+
+
 class _Worker:
     """`prefect worker start` in its own session; everything it starts carries MARK=<mark> in its environment."""
 
@@ -76,18 +83,22 @@ class _Worker:
         self._kill_all()
         return survivors
 
-    def stop(self) -> list[int]:
-        """SIGTERM the worker (it idles between runs) and return what is still alive 20 s later."""
+    def stop(self) -> list[str]:
+        """SIGTERM the worker (it idles between runs) and return what it started that is still alive 60 s later,
+        with command lines (Ray's processes of a finished flow run can take over 20 s to exit on a loaded 2-core
+        machine). Prefect's worker process itself has stayed alive over 90 s after SIGTERM here (its
+        own shutdown, not v4rl's): after 30 s it is SIGKILLed, and only what it started counts."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                pass
-        deadline = time.monotonic() + 20
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
         while (left := self.processes()) and time.monotonic() < deadline:
             time.sleep(0.25)
-        return left
+        return [f"{pid}: {_cmdline(pid)}" for pid in left]
 
     def _kill_all(self) -> None:
         for _ in range(50):  # a process may start a child between listing and killing: list again
