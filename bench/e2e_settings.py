@@ -23,8 +23,8 @@ DEFAULT_BASE = REPO_ROOT / "tests" / "assets" / "tiny-base"
 @dataclass(kw_only=True)
 class E2ESettings:
     steps: int = 20
-    """GRPO steps per side. At the default a run took 25 minutes on a shared 2-core machine at load 8-21 (10 steps:
-    7 minutes at load ~9); an idle machine needs well under 20. TRL's steps dominate the cost."""
+    """GRPO steps per side. At the default a run takes ~27 minutes on an idle 2-core machine (~130-token prompts);
+    TRL's steps (~66 s each against v4rl's ~9) dominate the cost."""
     prompts_per_step: int = 128
     """Prompts per GRPO step (v4rl's default). TRL's generation batch is prompts_per_step x n_samples."""
     n_samples: int = 8
