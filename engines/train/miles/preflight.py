@@ -182,6 +182,13 @@ def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cl
     miles = miles_tree(miles_dir, pins[0])
     megatron = megatron_tree(megatron_dir, pins[1])
     generation = detect_generation(miles)
+    if generation.generation != preset.miles.generation:  # the argv cannot fit: say so before a 40 s parse
+        mismatch = (f"the job is built for Miles' DeepSeek-V4 generation {preset.miles.generation}, but {miles} is "
+                    f"{generation.label} ({generation.evidence}); set miles_generation {generation.generation} "
+                    "(`v4rl plan --miles-dir` and the flow's miles_check_dir detect it), and convert with the same "
+                    "--miles-dir")
+        return MilesCheck(accepted=False, rejected=[], error=mismatch, miles_dir=str(miles),
+                          megatron_dir=str(megatron), generation=generation.generation)
     paths = [megatron, miles, *sglang_paths()]
     if profile.name not in DEVICES:
         raise ValueError(f"profile {profile.name!r} has no accelerator description for Miles' parser; known: "
@@ -203,11 +210,6 @@ def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cl
     if check.accepted:
         check.mismatches = compare_resolved(expected_values(preset, job, cluster, command), check.resolved)
     check.problems = local_problems(preset, job, check_data=check_data)
-    if generation.generation != preset.miles.generation:
-        check.problems.insert(0, f"the job is built for Miles' DeepSeek-V4 generation {preset.miles.generation}, but "
-                                 f"{miles} is {generation.label} ({generation.evidence}); set miles_generation "
-                                 f"{generation.generation} (`v4rl plan --miles-dir` and the flow's miles_check_dir "
-                                 "detect it), and convert with the same --miles-dir")
     return check
 
 
