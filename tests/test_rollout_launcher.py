@@ -105,7 +105,7 @@ def test_weight_push_is_one_paused_session():
     import torch.distributed as dist
 
     log: list = []
-    named = [(f"model.layers.{i}.self_attn.wq_a.weight", torch.zeros(64, 64)) for i in range(3)]
+    named = [(f"model.layers.{i}.self_attn.wq_b.weight", torch.zeros(64, 64)) for i in range(3)]
     sync = _sync([_Engine(log, "a")])
     try:
         assert sync.push(named, weight_version="7", bucket_bytes=64 * 64 * 4) == 3
@@ -140,12 +140,12 @@ def test_weight_sync_refuses_data_parallel_replicas_and_other_sglang_versions():
 
 def test_sglang_names_and_buckets_keep_storage_bits():
     w = torch.randn(128, 128)
-    encoded = (encode_tensor("layers.0.attn.wq_a.weight", w, "fp8")
+    encoded = (encode_tensor("layers.0.attn.wq_b.weight", w, "fp8")
                + encode_tensor("layers.0.ffn.experts.3.w1.weight", w, "fp4")
                + encode_tensor("layers.0.ffn.gate.tid2eid", torch.zeros(4, 2, dtype=torch.long), "int64"))
     named = list(sglang_named_tensors(encoded))
     assert [n for n, _ in named] == [
-        "model.layers.0.self_attn.wq_a.weight", "model.layers.0.self_attn.wq_a.weight_scale_inv",
+        "model.layers.0.self_attn.wq_b.weight", "model.layers.0.self_attn.wq_b.weight_scale_inv",
         "model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.3.gate_proj.weight_scale_inv",
         "model.layers.0.mlp.topk.tid2eid"]
     assert all(a is b for (_, a), (_, b) in zip(encoded, named))

@@ -51,6 +51,7 @@ import torch
 
 from checkpoints.names import native_to_sglang_name
 from engines.engine_sources import sglang_version
+from engines.rollout.fused_pairs import update_buckets
 from engines.rollout.sglang import SGLangClient, SGLangError
 
 
@@ -269,18 +270,10 @@ def bucket_metadata(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, lis
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors in order into buckets of at most bucket_bytes (a larger tensor gets a bucket alone)."""
-    current: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > bucket_bytes:
-            yield current
-            current, size = [], 0
-        current.append((name, t))
-        size += nbytes
-    if current:
-        yield current
+    """Group tensors in order into buckets of at most bucket_bytes (a larger unit gets a bucket alone), each of
+    SGLang's fused pairs (compressor wkv+wgate, attention wq_a+wkv and their scales) inside one bucket:
+    `fused_pairs.update_buckets`, the grouping every distributed push uses."""
+    return update_buckets(named, bucket_bytes)
 
 
 def wire_view(t: torch.Tensor) -> torch.Tensor:
