@@ -161,7 +161,7 @@ def build_command(preset: RunPreset, job: MilesJob, *, site: Site | None = None,
                         hash_layers=int(config.get("num_hash_layers") or config.get("n_hash_layers") or 0))
     argv += T.eval_args(preset, job) + T.sglang_args(preset) + T.misc_args(preset, cluster, profile)
     argv += list(resume.extra_args if resume else ()) + list(job.extra_args)
-    env = job_env(preset, profile, site or Site(), job)
+    env = job_env(preset, profile, site or Site(), job, model_config=config)
     return MilesCommand(argv=argv, env=env, miles_dir=job.miles_dir, generation=preset.miles.generation)
 
 
