@@ -123,7 +123,9 @@ def start_server(port: int, home: Path, log: Path) -> subprocess.Popen:
 
 def demo_pages(base: str, home: Path, steps: int) -> tuple[str, str, str]:
     """Runs `v4rl demo` against `base`; returns the demo-report artifact id, its flow run id and name."""
-    env = {**os.environ, **QUIET_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{base}/api"}
+    # INFO, unlike the tests' quiet WARNING: the run page shows the run's logs under its graph
+    env = {**os.environ, **QUIET_ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{base}/api",
+           "PREFECT_LOGGING_LEVEL": "INFO"}
     subprocess.run([sys.executable, "-m", "v4rl.cli", "demo", "--workdir", str(home.parent / "runs"), "--steps",
                     str(steps)], env=env, check=True, cwd=REPO, timeout=3600)
     query = ("import json\nfrom prefect import get_client\nwith get_client(sync_client=True) as c:\n"
