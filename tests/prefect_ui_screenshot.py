@@ -3,7 +3,7 @@
 and a few minutes. tests/test_prefect_ui_screenshot.py runs it on single pages.
 
     apt-get update && apt-get install -y chromium
-    .venv/bin/python tests/prefect_ui_screenshot.py          # docs/prefect-ui-report.png + docs/prefect-ui-run-graph.png
+    .venv/bin/python tests/prefect_ui_screenshot.py     # docs/prefect-ui-report.png, docs/prefect-ui-run-graph.png
     .venv/bin/python tests/prefect_ui_screenshot.py --port 4300 --page /runs --out /tmp/runs.png   # one page, no demo
     .venv/bin/python tests/prefect_ui_screenshot.py --server http://127.0.0.1:4200 --page /runs --out /tmp/runs.png
 
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     wait_for(f"{base}/api/health", timeout=300, proc=server)
                 except (RuntimeError, TimeoutError) as exc:
                     log = (tmp_path / "server.log").read_text(errors="replace")[-1500:]
-                    raise PageError(f"the Prefect server on port {port} did not start ({exc}); its log:\n{log}") from None
+                    raise PageError(f"the Prefect server on port {port} did not start ({exc}); its log:\n{log}") \
+                        from None
             if args.page:
                 shoot(chromium, base, args.page, args.out, args.expect, tmp_path / "chromium", window="1400,1000")
                 return 0

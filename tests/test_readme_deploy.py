@@ -1,13 +1,14 @@
 """The README's "Prefect deployments, step by step" block, run as a new user pastes it.
 
 The slow test extracts the bash block that follows the `tests/test_readme_deploy.py runs the next bash block`
-marker in README.md and runs exactly those lines in a fresh bash: no profile, a PATH without the venv (so the
-block's own `source .venv/bin/activate` must provide `prefect`), a temporary PREFECT_HOME and a free port
-(through the block's own `${PREFECT_HOME:-...}` / `${PREFECT_SERVER_API_PORT:-...}` defaults). After each line
-the test records its exit status. It passes when every line exits 0, the flow run ends Completed, and no
-process the block started is left (found by the temporary PREFECT_HOME in its environment, killed by PID if
-it is). The run writes `runs/<run_key>/` and `runs/store/runs/<run_key>/` in the repo, as a user's run does:
-the test skips when they exist already and removes them afterwards.
+marker in README.md and runs exactly those lines in a fresh bash with job control (as in a terminal): no
+profile, a PATH without the venv (so the block's own `source .venv/bin/activate` must provide `prefect`), a
+temporary PREFECT_HOME and a free port (through the block's own `${PREFECT_HOME:-...}` and
+`${PREFECT_SERVER_API_PORT:-...}` defaults). After each line the test records its exit status. It passes when
+every line exits 0, the flow run ends Completed, and no process the block started is left (found by the
+temporary PREFECT_HOME in its environment, killed by PID if it is). The run writes `runs/<run_key>/` and
+`runs/store/runs/<run_key>/` in the repo, as a user's run does: the test skips when they exist already and
+removes them (and the empty folders it made) afterwards.
 
 The fast tests check what the block relies on: the tiny-cpu deployment's parameters equal the flow's
 defaults (so a partial `params` object changes only the fields it names) and Prefect 3.9's CLI has no nested
@@ -115,12 +116,16 @@ def test_the_readme_deploy_steps_run_as_written(tmp_path):
     if any(p.exists() for p in written):
         pytest.skip(f"{[str(p) for p in written if p.exists()]} exist (an earlier README run?): remove them to run "
                     "this test, which writes and then removes them")
+    parents = [REPO / "runs" / "store" / "runs", REPO / "runs" / "store", REPO / "runs"]
+    new_parents = [p for p in parents if not p.exists()]  # removed again when empty
     home = tmp_path / "prefect-home"
     venv_bin = str(REPO / ".venv" / "bin")
     path = os.pathsep.join(p for p in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep) if p != venv_bin)
     env = {"PATH": path, "HOME": os.environ.get("HOME", str(tmp_path)), "LANG": "C.UTF-8",
            "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(free_port())}
-    script = [f"cd {REPO}"]
+    # set -m: job control, as in the terminal a user pastes into. Without it bash starts background jobs with SIGINT
+    # ignored, and the worker's SIGTERM handler (which turns SIGTERM into SIGINT) then never stops it.
+    script = ["set -m", f"cd {REPO}"]
     for i, line in enumerate(lines, 1):  # each line as written, then its exit status for the assertion below
         script += [line, f'echo "README-LINE {i} EXIT $?" >&2']
     (tmp_path / "steps.sh").write_text("\n".join(script) + "\n")
@@ -142,3 +147,6 @@ def test_the_readme_deploy_steps_run_as_written(tmp_path):
         _stop_leftovers(home, grace=0)
         for p in written:
             shutil.rmtree(p, ignore_errors=True)
+        for p in new_parents:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
