@@ -356,7 +356,11 @@ def test_cli_data_flags_reach_the_training_config(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(run_module, "run_training", lambda out, config, **kw: seen.append(config) or {"evals": []})
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    for path in (train, held_out):
+        _write_jsonl(path, [{"question": "Compute 1+1.", "answer": 2}])
     result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), "--train-data", str(train),
-                                      "--eval-data", str(held_out)])
+                                      "--eval-data", str(held_out), "--input-key", "question", "--label-key",
+                                      "answer", "--preset", "TINY_CPU"])
     assert result.exit_code == 0, result.output
     assert (seen[0].train_data, seen[0].eval_data) == (str(train), str(held_out))
+    assert (seen[0].input_key, seen[0].label_key) == ("question", "answer")

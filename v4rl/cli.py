@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -69,23 +70,29 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 @app.command()
 def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
           preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
-          steps: int = typer.Option(100, help="GRPO steps of the run."),
+          steps: int = typer.Option(100, min=1, help="GRPO steps of the run."),
           base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
-          prompts_per_step: int = typer.Option(128), n_samples: int = typer.Option(8),
-          eval_interval: int = typer.Option(10), n_eval: int = typer.Option(200),
+          prompts_per_step: int = typer.Option(128, min=1), n_samples: int = typer.Option(8, min=2),
+          eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
           lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
-                                                     "addition task); bad rows are dropped and counted."),
+                                                     "addition task); bad rows (a malformed JSON line too) are "
+                                                     "dropped and counted."),
           eval_data: Path = typer.Option(None, help="Held-out rows in the same format (default: synthetic)."),
+          input_key: str = typer.Option("prompt", help="Column of --train-data / --eval-data holding the prompt "
+                                                       "(Miles' --input-key), e.g. question."),
+          label_key: str = typer.Option("label", help="Column holding the reference answer (Miles' --label-key), "
+                                                      "e.g. answer."),
           reward: str = typer.Option("auto", help="auto (literal for the synthetic task, math-verify for --train-data), "
                                                   "literal, math-verify, or package.module:function with TRL's "
                                                   "contract f(prompts, completions, label, **kwargs) -> list[float] "
                                                   "(rl/reward_spec.py; the module must be on PYTHONPATH)."),
           eval_reward: str = typer.Option("auto", help="Grader of held-out pass@k: auto (literal for the synthetic "
                                                        "set, math-verify for --eval-data) or any --reward value."),
-          max_grader_error_ratio: float = typer.Option(0.25, help="Fraction of a step's samples whose reward may fail "
-                                                                  "(scored 0, counted) before the run stops."),
+          max_grader_error_ratio: float = typer.Option(0.25, min=0.0, max=1.0,
+                                                       help="Fraction of a step's samples whose reward may fail "
+                                                            "(scored 0, counted) before the run stops."),
           ray: bool = typer.Option(True, help="Host trainer and rollout as Ray actors (loopback-only local cluster "
                                               "unless RAY_ADDRESS is set)."),
           tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write metrics and evals as "
@@ -93,21 +100,38 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           wandb: bool = typer.Option(False, "--wandb", help="Also log metrics and evals to W&B: offline under "
                                                             "OUT/wandb/ unless WANDB_MODE=online.")) -> None:
     """GRPO + TIS on the embedded engines (rollout server over HTTP, transformers trainer), resumable."""
+    from engines.run_presets import preset_name
+    from v4rl import inputs
+
+    try:  # tiny_cpu and tiny-cpu alike; an unknown name gets the closest known one
+        preset = preset_name(preset)
+    except ValueError as exc:
+        _fail(f"--preset: {exc}")
+    if preset != "tiny-cpu":
+        _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    # Paths first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet
+    problem = inputs.first_problem(inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
+                                   inputs.data_file("--train-data", train_data),
+                                   inputs.data_file("--eval-data", eval_data))
+    if problem:
+        _fail(problem)
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
 
-    if preset != "tiny-cpu":
-        _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
-    try:  # an unknown reward, an import path that does not resolve: a ValueError naming the option and the fix
+    created = not out.exists()
+    try:  # an unknown reward, an import path that does not resolve, bad data: a ValueError naming the fix
         config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
                                 metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
+                                input_key=input_key, label_key=label_key,
                                 reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
                                 loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                                 eval_interval=eval_interval, seed=seed,
                                                 dynamic_sampling=dynamic_sampling))
         summary = run_training(out, config)
     except ValueError as exc:
+        if created and not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
         _fail(str(exc))
     for ev in summary["evals"]:
         typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))

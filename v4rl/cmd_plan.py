@@ -96,6 +96,9 @@ def plan(
     site_args = dict(head_ip=head_ip, worker_ip=worker_ip, ifname=ifname, ib_hca=ib_hca, ray_address=ray_address,
                      master_addr=master_addr)
     try:
+        from engines.run_presets import preset_name
+
+        preset = preset_name(preset)  # tiny_cpu and tiny-cpu alike, as everywhere else
         if recompute not in (None, "full", "selective", "none"):
             raise ValueError(f"--recompute must be full, selective or none (got {recompute!r})")
         result = preflight_plan(preset, overrides, raise_on_infeasible=False)
