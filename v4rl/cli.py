@@ -41,6 +41,11 @@ def bootstrap(out: Path = typer.Option(..., help="Directory to write the checkpo
               pass1_low: float = typer.Option(0.25), pass1_high: float = typer.Option(0.45),
               pass8_max: float = typer.Option(0.82)) -> None:
     """Train the tiny model from scratch until held-out pass@1 lies in the band; write FP8 + FP4 HF checkpoint."""
+    from v4rl import inputs
+
+    problem = inputs.output_dir("--out", out)
+    if problem:
+        _fail(problem)
     from engines.train.bootstrap import BootstrapConfig, bootstrap as run
 
     try:
@@ -57,6 +62,13 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
           dtype: str = typer.Option("float32", help="float32 | bfloat16 compute precision."),
           json_out: Path = typer.Option(..., "--json", help="Where to write [{\"logprobs\": [...]}, ...].")) -> None:
     """Per-token logprobs of the response tokens under our engine or the transformers reference."""
+    from v4rl import inputs
+
+    problem = inputs.first_problem(inputs.hf_checkpoint("--model", model),
+                                   inputs.input_file("--input", input, 'a JSON list of {"prompt_ids", "response_ids"}'),
+                                   inputs.output_file("--json", json_out))
+    if problem:
+        _fail(problem)
     from engines.score import read_sequences, score as run
 
     try:
@@ -142,7 +154,12 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
          seed: int = typer.Option(0), steps: int = typer.Option(10, help="GRPO steps of the demo run."),
          fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one.")) -> None:
     """The tiny-cpu rl-pipeline end to end under a local Prefect server; prints where the report is."""
+    from v4rl import inputs
     from v4rl.demo import run_demo
+
+    problem = inputs.output_dir("--workdir", workdir)
+    if problem:
+        _fail(problem)
 
     sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps))
 

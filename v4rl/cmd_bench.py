@@ -33,6 +33,12 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}")
         if config_sweep and name not in SWEEPS:
             raise typer.BadParameter(f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}")
+        from v4rl import inputs
+
+        problem = inputs.output_file("--json", json_out)
+        if problem:  # before a benchmark of minutes, not when it writes its result
+            typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1)
         target = SWEEPS[name] if config_sweep else BENCHES[name]
         try:
             module = importlib.import_module(target)

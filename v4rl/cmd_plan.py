@@ -106,6 +106,10 @@ def plan(
         from v4rl import plan_miles
 
         cluster = resolve(preset, overrides)[0].profile != "cpu"
+        if launch and not cluster:
+            raise ValueError(f"--launch: {preset} runs on this machine, with no launch plan: `v4rl train --preset "
+                             f"{preset}` or `v4rl demo`; launch plans are for the cluster presets (e.g. "
+                             "--preset dsv4-flash-mi355x)")
         site, job = plan_miles.site_and_job(preset, overrides, paths, **site_args) if cluster else (None, None)
         launch_obj = plan_miles.launch(preset, overrides, site, job) if launch and cluster else None
         miles_obj = plan_miles.job_json(preset, overrides, site, job) if cluster and (json_out or seed_command) \

@@ -58,12 +58,16 @@ def input_file(option: str, path: Path | None, what: str) -> str | None:
     return None
 
 
-def output_file(option: str, path: Path | None) -> str | None:
-    """A file the command writes at the end: its folder must exist (so a long run does not fail at its end)."""
+def output_file(option: str, path: Path | None, *, parents_made: bool = False) -> str | None:
+    """A file the command writes at the end: its folder must exist (so a long run does not fail at its end), or,
+    with `parents_made`, be creatable (the command makes missing folders)."""
     if path is None:
         return None
     if path.is_dir():
         return f"{option} {path} is a directory; give a file name (e.g. {path / 'out.json'})"
+    if parents_made:
+        file_parent = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        return f"{option} {path}: {file_parent} is a file, not a folder" if file_parent else None
     if not path.parent.exists():
         return f"{option} {path}: the folder {path.parent} does not exist; create it (mkdir -p {path.parent})"
     if not path.parent.is_dir():
