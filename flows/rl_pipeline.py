@@ -111,10 +111,9 @@ def _eval_data(p: PipelineParams) -> dict:
 def _alignment_markdown(alignment: dict | None) -> str:
     if not alignment:
         return ""
-    diff = alignment.get("token_abs_diff", {})
-    return ("## Alignment (rollout vs trainer, same tokens)\n\n"
-            f"passed: {alignment.get('passed')}, mean |Δlogprob| {diff.get('mean', float('nan')):.4f}, "
-            f"p99 {diff.get('p99', float('nan')):.4f}, first divergence: {alignment.get('first_divergence')}\n\n")
+    from engines.align.report import markdown
+
+    return f"## Alignment (rollout vs trainer, same tokens)\n\n{markdown(alignment)}\n"
 
 
 def _links(uploaded: dict) -> dict[str, str]:

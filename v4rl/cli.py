@@ -152,7 +152,9 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
 @app.command()
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
          seed: int = typer.Option(0), steps: int = typer.Option(10, help="GRPO steps of the demo run."),
-         fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one.")) -> None:
+         fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one."),
+         ui: bool = typer.Option(False, "--ui", help="Serve the Prefect UI from the demo's own server, print live "
+                                                     "links to the run and keep it up until Ctrl-C.")) -> None:
     """The tiny-cpu rl-pipeline end to end under a local Prefect server; prints where the report is."""
     from v4rl import inputs
     from v4rl.demo import run_demo
@@ -161,7 +163,7 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
     if problem:
         _fail(problem)
 
-    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps))
+    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui))
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.
