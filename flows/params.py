@@ -134,6 +134,14 @@ class PipelineParams(BaseModel):
                              "that runs the flow)")
         return str(path)
 
+    @field_validator("miles_check_dir", "megatron_check_dir")
+    @classmethod
+    def _checkout_here(cls, v: str | None, info) -> str | None:
+        if v and not Path(v).expanduser().is_dir():
+            raise ValueError(f"{info.field_name} {v}: no such directory on this host (preflight runs Miles' parser "
+                             "here); give a checkout on this machine, or leave it empty for the pinned sources")
+        return str(Path(v).expanduser().resolve()) if v else None
+
     @field_validator("reward", "eval_reward")
     @classmethod
     def _reward(cls, v: str, info) -> str:

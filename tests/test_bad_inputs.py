@@ -238,6 +238,7 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
     from flows.rl_pipeline import rl_pipeline
 
     runs = str(tmp_path / "runs")
+    (tmp_path / "afile").write_text("a file where a folder belongs")
     small = dict(runs_root=runs, steps=1, eval_interval=1, prompts_per_step=1, n_eval=1, eval_samples=1,
                  align_prompts=1, use_ray=False)  # cheap, should a case ever pass validation by mistake
     cases = [
@@ -250,6 +251,9 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
         (dict(hf_checkpoint=str(tmp_path / "nope")), "nope: no such directory; give the directory of a HF"),
         (dict(preset="tiny_gpu"), "unknown preset 'tiny_gpu'; did you mean 'tiny-cpu'?"),
         (dict(input_key=""), "params.input_key: String should have at least 1 character"),
+        (dict(preset="dsv4-flash-mi355x", miles_check_dir=str(tmp_path / "miles")),
+         "miles_check_dir " + str(tmp_path / "miles") + ": no such directory on this host"),
+        (dict(runs_root=str(tmp_path / "afile")), "runs_root " + str(tmp_path / "afile") + " is a file"),
         (dict(store_url="ftp://host/x"), "params.store_url: Value error, store_url:"),
     ]
     for bad, expected in cases:
@@ -267,6 +271,37 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
 
     message = _failed_flow_message(nightly_validation, date="2025-02-30", runs_root=runs)
     assert "params.date: Value error, date '2025-02-30' is not a calendar date; give YYYY-MM-DD" in message
+
+
+def test_a_broken_data_file_fails_the_flow_once_with_its_one_line(prefect_server, tmp_path, capfd):  # noqa: F811
+    """A JSONL with one malformed line in 101 rows: the line is a dropped row (counted, named), and where the usable
+    rows fall short preflight fails once, not retried, with the DatasetError's line; no datasets/Arrow traceback."""
+    from prefect.client.orchestration import get_client
+
+    from flows.rl_pipeline import rl_pipeline
+
+    rows = [json.dumps({"prompt": PROMPT.format(a=i, b=i), "label": str(2 * i)}) for i in range(101)]
+    rows[50] = '{"prompt": "Compute 50+50.", "label": '
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    state = rl_pipeline(params=dict(runs_root=str(tmp_path / "runs"), train_data=str(data), prompts_per_step=128,
+                                    steps=1, eval_interval=1, n_eval=1, eval_samples=1, align_prompts=1,
+                                    use_ray=False), return_state=True)
+    assert state.is_failed(), state
+    message = str(state.result(raise_on_failure=False))
+    assert f"{data}: train_data has only 100 usable rows of 101, and the run needs at least 128 " \
+           "(prompts_per_step=128)" in message, message
+    assert "malformed_json=1 (rows 50)" in message and "lower prompts_per_step" in message
+    output = capfd.readouterr()
+    assert "ArrowInvalid" not in output.out + output.err and "DatasetGenerationError" not in output.out + output.err
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details
+                                                                                           .flow_run_id])))
+    preflight = [r for r in runs if r.name.startswith("preflight")]
+    assert len(preflight) == 1 and preflight[0].run_count == 1, [(r.name, r.run_count) for r in runs]
+    assert [r.name for r in runs if not r.name.startswith("preflight")] == []  # nothing after it ran
 
 
 # ============================================================================================== checkpoints

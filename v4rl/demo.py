@@ -126,6 +126,14 @@ def _base_checkpoint(workdir: Path, seed: int, fresh: bool, console: Console) ->
     return base
 
 
+def client_env(port: int, home: Path, *, ui: bool) -> dict[str, str]:
+    """What the demo's own Prefect client needs for a server on 127.0.0.1:`port`. Without its UI (the server also
+    stops with the demo) PREFECT_UI_URL is empty, which turns off Prefect's "View at <url>" links: they would
+    point at a page that does not load."""
+    return {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_HOME": str(home),
+            "PREFECT_UI_URL": f"http://127.0.0.1:{port}" if ui else ""}
+
+
 def _start_prefect(home: Path, console: Console, *, ui: bool = False):
     import socket
     import time
@@ -153,8 +161,6 @@ def _start_prefect(home: Path, console: Console, *, ui: bool = False):
     else:
         proc.terminate()
         raise TimeoutError(f"the Prefect server on {api} did not answer within 120 s; see {home / 'server.log'}")
-    # No UI, or a server that stops with the demo: no "View at <url>" links to a page that will not load
-    os.environ.update({"PREFECT_API_URL": api, "PREFECT_HOME": str(home),
-                       "PREFECT_UI_URL": f"http://127.0.0.1:{port}" if ui else ""})
+    os.environ.update(client_env(port, home, ui=ui))
     console.print(f"[bold]Prefect[/]: local server {api} (PREFECT_HOME={home}, pid {proc.pid})")
     return proc, home
