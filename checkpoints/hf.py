@@ -341,8 +341,10 @@ def read_config(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     try:
         raw = json.loads(path.read_text())
         return ModelConfig.from_hf_dict(raw), raw
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; a HF checkpoint directory needs its config.json") from None
+    except (FileNotFoundError, NotADirectoryError):
+        from checkpoints.paths import not_hf_reason
+
+        raise CheckpointError(not_hf_reason(ckpt_dir) or f"{path} cannot be read") from None
     except (json.JSONDecodeError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{path}: cannot read the DeepSeek-V4 config: {exc}") from exc
 

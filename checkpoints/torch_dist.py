@@ -365,7 +365,10 @@ def resolve_iteration_dir(path: str | Path) -> Path:
     marker = path / ITERATION_FILE
     if not marker.is_file():
         if not path.exists():
-            raise TorchDistError(f"{path} does not exist")
+            raise TorchDistError(f"{path}: no such directory; give a torch_dist checkpoint (root or iteration dir)")
+        if (path / "config.json").is_file():
+            raise TorchDistError(f"{path} is a HF checkpoint, not a torch_dist one; convert it first: "
+                                 f"v4rl convert {path} TORCH_DIST_DIR")
         raise TorchDistError(f"{path} is not a torch_dist checkpoint: it has neither {CONFIG_FILE} nor "
                              f"{ITERATION_FILE} (an unfinished save or conversion leaves neither)")
     text = marker.read_text().strip()

@@ -99,7 +99,8 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "num_rollout": ("run", "num_rollout"), "mode": ("run", "mode"),
     "eval_interval": ("eval", "interval"), "n_samples_per_eval_prompt": ("eval", "n_samples_per_prompt"),
     "eval_datasets": ("eval", "datasets"), "eval_max_response_len": ("eval", "max_response_len"),
-    "prompt_data": ("data", "prompt_data"), "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
+    "prompt_data": ("data", "prompt_data"), "input_key": ("data", "input_key"), "label_key": ("data", "label_key"),
+    "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
     "fp8_training": ("miles", "fp8_training"), "rollout_routing_replay": ("miles", "rollout_routing_replay"),
     "fault_tolerance": ("miles", "fault_tolerance"), "save_interval": ("miles", "save_interval"),
     "miles_generation": ("miles", "generation"), "dsv4_impl": ("miles", "dsv4_impl"),
@@ -107,12 +108,27 @@ OVERRIDES: dict[str, tuple[str, str]] = {
 _SECTIONS = ("parallel", "cluster", "train", "rollout", "run", "eval", "algorithm", "data", "miles")
 
 
+def preset_name(name: str) -> str:
+    """The canonical spelling of a preset name: case and `_` / `-` do not matter (`tiny_cpu` is `tiny-cpu`), so
+    every command and flow parameter accepts the same spellings. ValueError naming the closest known preset and
+    listing all of them otherwise.
+
+    >>> preset_name("Tiny_CPU")
+    'tiny-cpu'
+    """
+    import difflib
+
+    canonical = str(name).strip().lower().replace("_", "-")
+    if canonical in RUN_PRESETS:
+        return canonical
+    close = difflib.get_close_matches(canonical, sorted(RUN_PRESETS), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"unknown preset {name!r}; {hint}known: {', '.join(sorted(RUN_PRESETS))}")
+
+
 def get_run_preset(name: str) -> RunPreset:
-    """The named run preset; ValueError listing the known names otherwise."""
-    try:
-        return RUN_PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(RUN_PRESETS))}") from None
+    """The named run preset (any spelling `preset_name` accepts); ValueError listing the known names otherwise."""
+    return RUN_PRESETS[preset_name(name)]
 
 
 def apply_overrides(preset: RunPreset, overrides: Mapping[str, Any] | None) -> tuple[RunPreset, dict[str, Any]]:

@@ -33,13 +33,30 @@ def load_ours(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Deep
 
 
 def load_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32):
-    """transformers' DeepseekV4ForCausalLM.from_pretrained (it dequantizes FP8/FP4 on CPU)."""
+    """transformers' DeepseekV4ForCausalLM.from_pretrained, FP8/FP4 weights dequantized (the reference computes in
+    `dtype`, never in FP8, also where a GPU could run FP8)."""
     from transformers import DeepseekV4ForCausalLM
 
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager",
+                                                  **_dequantizing(model_dir))
     if dtype == torch.float32:
         model = model.float()  # the FP8 dequantizer emits bf16 for a float32 load
     return model.eval()
+
+
+def _dequantizing(model_dir: str | Path) -> dict:
+    """from_pretrained's quantization_config asking for dequantized FP8 weights, for an FP8 checkpoint.
+
+    Without it transformers finds no GPU, warns "Using FP8 quantized models requires a GPU or XPU" and then
+    dequantizes anyway: the same weights (checked bit for bit), but a warning a CPU run must not print, since
+    dequantizing is what the reference means to do."""
+    from transformers import FineGrainedFP8Config
+
+    quant = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return {}
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    return {"quantization_config": FineGrainedFP8Config(dequantize=True, weight_block_size=block)}
 
 
 def read_sequences(path: str | Path) -> list[dict]:

@@ -21,7 +21,7 @@ from tasks.evaluate import held_out_eval, miles_eval
 def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_samples: int = 8, seed: int = 0,
              artifact_key: str | None = None, metric_sinks: list[str] | None = None, eval_data: str = "",
              max_grader_error_ratio: float = 0.25, eval_reward: str = "auto",
-             cluster: dict | None = None) -> dict:
+             cluster: dict | None = None, input_key: str = "prompt", label_key: str = "label") -> dict:
     from engines.train.runlog import RunLog
     from engines.train.sinks import open_sinks
 
@@ -34,7 +34,7 @@ def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_sampl
     else:
         result = held_out_eval(model_dir, n_eval=n_eval, n_samples=n_samples, seed=seed, eval_data=eval_data,
                                max_grader_error_ratio=max_grader_error_ratio,
-                               eval_reward=eval_reward)
+                               eval_reward=eval_reward, input_key=input_key, label_key=label_key)
         with open_sinks(metric_sinks or [], run_dir) as sinks:  # the training's dashboards get the eval too
             RunLog(run_dir, sinks=sinks).write_eval(step, result)
     create_table_artifact([{"step": step, **{k: round(v, 4) if isinstance(v, float) else v

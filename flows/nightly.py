@@ -48,8 +48,7 @@ class NightlyParams(BaseModel):
     def _preset(cls, v: str) -> str:
         from engines.run_presets import get_run_preset
 
-        get_run_preset(v)  # ValueError listing the known presets
-        return v
+        return get_run_preset(v).name  # any spelling of a known preset; ValueError naming the closest otherwise
 
     @field_validator("date")
     @classmethod

@@ -58,6 +58,11 @@ class PipelineParams(BaseModel):
                                             "in the report.")
     eval_data: str = Field("", description="Held-out prompt file (its first n_eval usable rows); empty: the "
                                            "synthetic held-out set.")
+    input_key: str = Field("prompt", min_length=1, max_length=200,
+                           description="Column of train_data / eval_data holding the prompt (Miles' --input-key), "
+                                       "e.g. question.")
+    label_key: str = Field("label", min_length=1, max_length=200,
+                           description="Column holding the reference answer (Miles' --label-key), e.g. answer.")
     max_grader_error_ratio: float = Field(0.25, ge=0, le=1, description="Fraction of samples per step whose reward "
                                           "function may fail (scored 0, counted in rollout/grader_errors) before "
                                           "the run stops.")
@@ -110,6 +115,16 @@ class PipelineParams(BaseModel):
                                          "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
                                          "on the Ray cluster for the gate and stopped before Megatron rescores.")
 
+    @field_validator("preset", mode="before")
+    @classmethod
+    def _preset_spelling(cls, v):
+        """tiny_cpu, TINY-CPU and tiny-cpu are one preset, as in `v4rl train` and `v4rl plan`."""
+        if isinstance(v, str):
+            from engines.run_presets import preset_name
+
+            return preset_name(v)  # ValueError naming the closest known preset
+        return v
+
     @field_validator("runs_root", "hf_checkpoint")
     @classmethod
     def _absolute(cls, v: str) -> str:
@@ -128,6 +143,14 @@ class PipelineParams(BaseModel):
             raise ValueError(f"{info.field_name} {path} does not exist; check the path (it is read on the machine "
                              "that runs the flow)")
         return str(path)
+
+    @field_validator("miles_check_dir", "megatron_check_dir")
+    @classmethod
+    def _checkout_here(cls, v: str | None, info) -> str | None:
+        if v and not Path(v).expanduser().is_dir():
+            raise ValueError(f"{info.field_name} {v}: no such directory on this host (preflight runs Miles' parser "
+                             "here); give a checkout on this machine, or leave it empty for the pinned sources")
+        return str(Path(v).expanduser().resolve()) if v else None
 
     @field_validator("reward", "eval_reward")
     @classmethod
@@ -190,8 +213,11 @@ class PipelineParams(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "PipelineParams":
         if self.preset == "tiny-cpu" and not (Path(self.hf_checkpoint) / "config.json").exists():
-            raise ValueError(f"hf_checkpoint {self.hf_checkpoint} has no config.json; point it at a DeepSeek-V4 HF "
-                             "checkpoint or bootstrap one with `v4rl bootstrap --out DIR`")
+            from checkpoints.paths import not_hf_reason
+
+            raise ValueError(f"hf_checkpoint {not_hf_reason(self.hf_checkpoint)}")
+        if Path(self.runs_root).exists() and not Path(self.runs_root).is_dir():
+            raise ValueError(f"runs_root {self.runs_root} is a file; give a directory (created if missing)")
         if self.eval_interval > self.steps:
             raise ValueError(f"eval_interval ({self.eval_interval}) exceeds steps ({self.steps}); lower it so that "
                              "at least one evaluation runs")
@@ -231,6 +257,9 @@ class PipelineParams(BaseModel):
         generation = self.resolved_miles_generation()
         if generation != 1 or self.dsv4_impl != "miles":  # only when not the preset's own (generation 1, miles)
             out.update(miles_generation=generation, dsv4_impl=self.dsv4_impl)
+        for key, default in (("input_key", "prompt"), ("label_key", "label")):
+            if getattr(self, key) != default:  # Miles' --input-key / --label-key (its eval sets read the same)
+                out[key] = getattr(self, key)
         return out
 
     def miles_job(self):
@@ -283,5 +312,8 @@ class PipelineParams(BaseModel):
             fields["train_data"] = self.train_data
         if self.reward != "auto":  # likewise
             fields["reward"] = self.reward
+        for key, default in (("input_key", "prompt"), ("label_key", "label")):
+            if getattr(self, key) != default:  # likewise
+                fields[key] = getattr(self, key)
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -47,7 +47,7 @@ def _train_config(p: PipelineParams) -> dict:
                       eval_samples=p.eval_samples, seed=p.seed, dynamic_sampling=False)
     cfg = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.eval_interval, n_eval=p.n_eval,
                          lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
-                         train_data=p.train_data, eval_data=p.eval_data,
+                         train_data=p.train_data, eval_data=p.eval_data, input_key=p.input_key, label_key=p.label_key,
                          max_grader_error_ratio=p.max_grader_error_ratio, reward=p.reward, eval_reward=p.eval_reward)
     return dataclasses.asdict(cfg)
 
@@ -64,7 +64,8 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
 
     preflight(params.preset, params.seed, hf_checkpoint=params.hf_checkpoint, train_data=params.train_data,
               eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
-              reward=params.reward, eval_reward=params.eval_reward, miles=cluster)
+              reward=params.reward, eval_reward=params.eval_reward, miles=cluster, input_key=params.input_key,
+              label_key=params.label_key)
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"), megatron_names=params.megatron_names())
     verify(converted["dst"], params.hf_checkpoint)
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
@@ -103,16 +104,16 @@ def _miles(p: PipelineParams) -> dict | None:
 
 
 def _eval_data(p: PipelineParams) -> dict:
-    return {"eval_data": p.eval_data, "max_grader_error_ratio": p.max_grader_error_ratio, "eval_reward": p.eval_reward}
+    return {"eval_data": p.eval_data, "max_grader_error_ratio": p.max_grader_error_ratio, "eval_reward": p.eval_reward,
+            "input_key": p.input_key, "label_key": p.label_key}
 
 
 def _alignment_markdown(alignment: dict | None) -> str:
     if not alignment:
         return ""
-    diff = alignment.get("token_abs_diff", {})
-    return ("## Alignment (rollout vs trainer, same tokens)\n\n"
-            f"passed: {alignment.get('passed')}, mean |Δlogprob| {diff.get('mean', float('nan')):.4f}, "
-            f"p99 {diff.get('p99', float('nan')):.4f}, first divergence: {alignment.get('first_divergence')}\n\n")
+    from engines.align.report import markdown
+
+    return f"## Alignment (rollout vs trainer, same tokens)\n\n{markdown(alignment)}\n"
 
 
 def _links(uploaded: dict) -> dict[str, str]:

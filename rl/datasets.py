@@ -1,22 +1,25 @@
 """Load prompt/label datasets (DAPO-Math-17K, AIME-2024, our synthetic task) from local files.
 
 What it does
-    ``load_prompt_dataset(path)`` reads a local ``.jsonl``/``.json`` or ``.parquet`` file with
-    the Hugging Face ``datasets`` library (``load_dataset("json" | "parquet", data_files=...)``;
-    never the Hub) and returns ``(rows, report)``: a list of :class:`PromptRow` and a
-    :class:`DatasetReport`. The format is the one Miles reads (``--input-key prompt
-    --label-key label``): ``prompt`` is a string or an OpenAI-style message list
+    ``load_prompt_dataset(path)`` reads a local ``.jsonl``/``.json`` file (line by line, with
+    the standard ``json`` module) or a ``.parquet`` file (pyarrow) and returns ``(rows,
+    report)``: a list of :class:`PromptRow` and a :class:`DatasetReport`. The format is the one
+    Miles reads (``--input-key prompt --label-key label``; other column names through
+    ``input_key=`` / ``label_key=``): ``prompt`` is a string or an OpenAI-style message list
     ``[{"role": "user", "content": ...}]`` (kept as ``messages``; ``prompt_text`` is the last
     user message), ``label`` is the answer, often an int in the file (returned as ``str``;
     integral floats such as ``34.0`` become ``"34"``).
 
     Bad rows do not crash a load: they are dropped and counted per reason in the report
     (with the first few 0-based row indices), or, with ``strict=True``, the first one raises
-    ``ValueError`` naming the file, row and field. ``max_prompt_chars`` drops over-long
-    prompts (counted as ``too_long``; a filter, so it never raises, even when strict).
-    File-level problems (missing file, unknown extension, no such column, malformed JSON
-    line) always raise with the path (and line) in the message. The first few drops of each
-    reason are logged as warnings naming the file, the 0-based row and what is wrong.
+    ``ValueError`` naming the file, row and field. A line of a JSON-lines file that is not
+    valid JSON, or not a JSON object, is such a bad row (``malformed_json``, the message names
+    its line number): one broken line in a large file costs that line, not the run.
+    ``max_prompt_chars`` drops over-long prompts (counted as ``too_long``; a filter, so it
+    never raises, even when strict). File-level problems (missing file, unknown extension, no
+    such column, an unreadable parquet file) raise :class:`DatasetError` (a ``ValueError``)
+    with the path in a one-line message. The first few drops of each reason are logged as
+    warnings naming the file, the 0-based row and what is wrong.
 
     ``load_encoded_prompts(path, encode, context_length=..., max_new_tokens=..., min_rows=...)``
     is what a run uses: the same load, then each prompt tokenized with ``encode``; a prompt whose
@@ -30,25 +33,17 @@ How to run
     ...     "dapo-math-17k.jsonl", max_prompt_chars=4000
     ... )
     >>> print(report.summary())  # doctest: +SKIP
-
-Note: this module is ``rl.datasets``; it imports the Hugging Face library as
-``import datasets as hf_datasets``, which works as long as the ``rl/`` folder itself is not
-on ``sys.path`` (import it as ``rl.datasets``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-import datasets as hf_datasets
-
-from rl.math_task import read_jsonl
 
 __all__ = ["PromptRow", "DatasetReport", "DatasetError", "EncodedPrompts", "load_prompt_dataset",
            "load_encoded_prompts", "DROP_REASONS"]
@@ -66,6 +61,7 @@ DROP_REASONS = {
     "empty_label": "the label is an empty string",
     "too_long": "the prompt is longer than max_prompt_chars",
     "over_context": "the prompt's tokens plus max_new_tokens exceed the model's context length",
+    "malformed_json": "the line is not valid JSON, or not a JSON object",
 }
 """Every reason a row can be dropped for, with what it means."""
 
@@ -143,27 +139,24 @@ def load_prompt_dataset(
     """Load a local JSONL/parquet prompt file; returns ``(rows, report)`` (see the module doc)."""
     source = Path(path)
     records = _read_records(source)
-    columns = set().union(*(r.keys() for r in records)) if records else set()
-    for key, option in ((input_key, "input_key"), (label_key, "label_key")):
-        if records and key not in columns:
-            raise ValueError(
-                f"{source}: no {key!r} column (columns: {sorted(columns)}); "
-                f"pass {option}= with the right column name"
-            )
+    _check_columns(source, [r for r in records if isinstance(r, dict)], input_key, label_key)
     report = DatasetReport(path=str(source), n_rows=len(records))
     rows: list[PromptRow] = []
     for index, record in enumerate(records):
         try:
+            if isinstance(record, _Malformed):
+                raise _BadRow("malformed_json", "line", f"line {record.line}: {record.detail}")
             prompt_text, messages = _prompt(record.get(input_key))
             label = _label(record.get(label_key))
         except _BadRow as bad:
-            field_name = input_key if bad.field_name == "prompt" else label_key
+            field_name = {"prompt": input_key, "label": label_key}.get(bad.field_name)
+            where = f"field {field_name!r}: " if field_name else ""
             if strict:
-                raise ValueError(
-                    f"{source}: row {index} (0-based), field {field_name!r}: {bad.detail} "
+                raise DatasetError(
+                    f"{source}: row {index} (0-based), {where}{bad.detail} "
                     f"[{bad.reason}]; fix the row, or load with strict=False to skip bad rows"
                 ) from None
-            report.add_drop(bad.reason, index, f"field {field_name!r}: {bad.detail}")
+            report.add_drop(bad.reason, index, f"{where}{bad.detail}")
             continue
         if max_prompt_chars is not None:
             length = _prompt_chars(prompt_text, messages)
@@ -173,6 +166,30 @@ def load_prompt_dataset(
         rows.append(PromptRow(prompt_text, label, messages, index))
     report.n_kept = len(rows)
     return rows, report
+
+
+# Column names data sets commonly use instead of Miles' prompt / label, for the hint in the error.
+_LIKELY_COLUMNS = {"input_key": ("question", "problem", "prompt", "messages", "query", "input", "instruction"),
+                   "label_key": ("answer", "solution", "label", "ground_truth", "final_answer", "target")}
+
+
+def _check_columns(source: Path, records: list[dict[str, Any]], input_key: str, label_key: str) -> None:
+    """DatasetError naming the missing column(s), the columns the file has and the options that pick others."""
+    if not records:
+        return
+    columns = set().union(*(r.keys() for r in records))
+    missing = [(key, option) for key, option in ((input_key, "input_key"), (label_key, "label_key"))
+               if key not in columns]
+    if not missing:
+        return
+    fix = []
+    for _, option in missing:
+        guess = next((c for c in _LIKELY_COLUMNS[option] if c in columns and c not in (input_key, label_key)), None)
+        fix.append(f"--{option.replace('_', '-')} {guess or 'COLUMN'}")
+    raise DatasetError(
+        f"{source}: " + " and ".join(f"no {key!r} column" for key, _ in missing) + f" (columns: {sorted(columns)}); "
+        f"name the column(s) with {' '.join(fix)} (v4rl train; flow parameters "
+        + " / ".join(option for _, option in missing) + ")")
 
 
 class DatasetError(ValueError):
@@ -254,36 +271,64 @@ def _require_rows(report: DatasetReport, min_rows: int, what: str, needed_by: st
 # --------------------------------------------------------------------------- file reading
 
 
-def _read_records(source: Path) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class _Malformed:
+    """A line of a JSON-lines file that is not a JSON object: a bad row like any other (``malformed_json``)."""
+
+    line: int
+    detail: str
+
+
+def _read_records(source: Path) -> list[dict[str, Any] | _Malformed]:
     fmt = _FORMATS.get(source.suffix.lower())
     if fmt is None:
-        raise ValueError(
-            f"{source}: unsupported file type {source.suffix!r}; use one of {sorted(_FORMATS)}"
-        )
+        raise DatasetError(f"{source}: unsupported file type {source.suffix!r}; use one of {sorted(_FORMATS)}")
+    if not source.exists():
+        raise DatasetError(f"{source}: no such file; check the dataset path")
     if not source.is_file():
-        raise FileNotFoundError(f"{source}: no such file; check the dataset path")
+        raise DatasetError(f"{source} is not a file; give the path of a {', '.join(sorted(_FORMATS))} file")
     if source.stat().st_size == 0:
         return []
-    progress_was_on = hf_datasets.is_progress_bar_enabled()
-    hf_datasets.disable_progress_bars()
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(source).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise DatasetError(f"{source}: could not be read as parquet ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}); check the file") from None
     try:
-        # A throw-away cache directory: local files only, nothing left behind, never stale.
-        with tempfile.TemporaryDirectory(prefix="v4rl-datasets-") as cache_dir:
-            dataset = hf_datasets.load_dataset(
-                fmt,
-                data_files=str(source),
-                split="train",
-                cache_dir=cache_dir,
-                keep_in_memory=True,
-            )
-            return dataset.to_list()
-    except Exception as exc:
-        if fmt == "json" and source.suffix.lower() == ".jsonl":
-            read_jsonl(source)  # raises "<path>:<line>: ..." naming the first bad line
-        raise ValueError(f"{source}: could not be read as {fmt}: {exc}") from exc
-    finally:
-        if progress_was_on:
-            hf_datasets.enable_progress_bars()
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{source}: not UTF-8 text at byte {exc.start}; give a JSON-lines (.jsonl), JSON or "
+                           "parquet file") from None
+    if source.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:  # a .json file holding one array of row objects
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            pass  # read it as JSON lines: each broken line is one bad row
+        else:
+            return [row if isinstance(row, dict) else _Malformed(i + 1, f"entry {i} is a {type(row).__name__}, "
+                                                                        "expected a JSON object")
+                    for i, row in enumerate(whole)]
+    return _json_lines(text)
+
+
+def _json_lines(text: str) -> list[dict[str, Any] | _Malformed]:
+    """One record per non-blank line (as datasets' json loader counts rows): an object, or _Malformed."""
+    records: list[dict[str, Any] | _Malformed] = []
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit inside a string
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            records.append(_Malformed(lineno, f"malformed JSON ({exc.msg} at column {exc.colno}); fix or delete "
+                                              "this line"))
+            continue
+        records.append(row if isinstance(row, dict) else
+                       _Malformed(lineno, f"a JSON {type(row).__name__}, expected an object per line"))
+    return records
 
 
 # --------------------------------------------------------------------------- field checks

@@ -26,7 +26,7 @@ import torch
 from rl.dynamic_sampling import DynamicSampler
 from rl.grading import Grader, GradingResult
 from rl.grpo import group_advantages
-from rl.passk import mean_pass_at_k
+from rl.passk import mean_pass_at_k, pass_at_k_stderr
 
 
 @dataclass
@@ -200,6 +200,8 @@ def evaluate(rollout: Rollout, prompts: list[list[int]], labels: list[str], *, n
     flat = iter(r > 0 for r in graded.rewards)
     correct = [[next(flat) for _ in group] for group in outs]
     result: dict[str, Any] = {f"pass@{k}": mean_pass_at_k(correct, k) for k in (1, 2, 4, 8) if k <= n}
+    # the noise of each number over the problems (rl/passk.py): a change smaller than ~2 of these is not learning
+    result.update({f"pass@{k}_stderr": pass_at_k_stderr(correct, k) for k in (1, 2, 4, 8) if k <= n})
     result.update(truncated_ratio=sum(c.finish_reason == "length" for c in completions) / len(completions),
                   response_len=sum(len(c.output_ids) for c in completions) / len(completions),
                   n_problems=len(prompts), n_samples=n, grader_errors=graded.errors)

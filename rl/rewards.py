@@ -56,8 +56,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import math_verify.grader
+import math_verify.parser
 import sympy
 from math_verify import parse, verify
+
+# We turn math-verify's signal timeouts off on purpose and bound the work ourselves (the module doc, "Thread safety
+# and time limits"); its once-per-process "Timeout is disabled ... you must provide the logic for timeout
+# interruption yourself" warning describes exactly that choice, so it is marked as already shown.
+math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+math_verify.grader.TIMEOUT_WARNING_SHOWN = True
 
 __all__ = [
     "MAX_ANSWER_CHARS",

@@ -38,12 +38,10 @@ def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, prompts: int = 16,
     tmp = Path(json_out).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(json_out)
-    diff = report["token_abs_diff"]
-    create_markdown_artifact(
-        f"# Alignment: {'passed' if report['passed'] else 'FAILED'}\n\nmean |Δlogprob| {diff['mean']:.4f}, "
-        f"p99 {diff['p99']:.4f}, max {diff['max']:.4f} over {report['n_tokens']} tokens; first divergence: "
-        f"{report['first_divergence']}\n\nengines: {report['engines']}\n", key=artifact_key,
-        description="rollout vs trainer alignment")
+    from engines.align.report import markdown
+
+    create_markdown_artifact(f"# Alignment: {'passed' if report['passed'] else 'FAILED'}\n\n{markdown(report)}",
+                             key=artifact_key, description="rollout vs trainer alignment")
     if not report["passed"]:
         raise AlignmentFailed(f"alignment over threshold: {'; '.join(report.get('failures', []))} "
                               f"(report: {json_out})")

@@ -17,9 +17,22 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 
-@task(name="held-out-eval", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, timeout_seconds=3 * 3600)
+def _transient(task, task_run, state) -> bool:
+    """Retry a crash or a timeout once, never a bad input (a ValueError: bad eval data, an unknown reward)."""
+    try:
+        state.result()
+    except (ValueError, TypeError):
+        return False
+    except Exception:  # noqa: BLE001 - anything else may pass on a second try
+        return True
+    return False
+
+
+@task(name="held-out-eval", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, timeout_seconds=3 * 3600,
+      retry_condition_fn=_transient)
 def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max_new_tokens: int = 8,
-                  eval_data: str = "", max_grader_error_ratio: float = 0.25, eval_reward: str = "auto") -> dict:
+                  eval_data: str = "", max_grader_error_ratio: float = 0.25, eval_reward: str = "auto",
+                  input_key: str = "prompt", label_key: str = "label") -> dict:
     import os
 
     from transformers import AutoTokenizer
@@ -37,7 +50,8 @@ def held_out_eval(model_dir: str, *, n_eval: int, n_samples: int, seed: int, max
     encode = prompt_encoder(tokenizer)
     if eval_data:
         data = load_data_file(eval_data, encode, base=model_dir, max_new_tokens=max_new_tokens, min_rows=n_eval,
-                              max_rows=n_eval, what="eval_data", needed_by=f"n_eval={n_eval}")
+                              max_rows=n_eval, what="eval_data", needed_by=f"n_eval={n_eval}", input_key=input_key,
+                              label_key=label_key)
         prompts, labels = data.prompt_ids, data.labels
     else:
         _, rows = make_splits(0, n_eval, seed)

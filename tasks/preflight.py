@@ -17,7 +17,8 @@ from prefect.cache_policies import NO_CACHE
 @task(name="preflight", cache_policy=NO_CACHE)
 def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data: str = "", eval_data: str = "",
               prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8, reward: str = "auto",
-              eval_reward: str = "auto", miles: dict | None = None) -> dict:
+              eval_reward: str = "auto", miles: dict | None = None, input_key: str = "prompt",
+              label_key: str = "label") -> dict:
     """`miles` (cluster presets): {"site": Site fields, "job": MilesJob fields, "overrides": preset overrides,
     "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones)}."""
     from engines.launch import preflight_plan
@@ -37,19 +38,22 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
              ("eval_data", eval_data, n_eval, f"n_eval={n_eval}"))
     for what, path, needed, needed_by in files:
         if path:  # raises DatasetError naming the file, the counts per reason and the fix
-            report = _check_data_file(path, hf_checkpoint, max_new_tokens, needed, what, needed_by)
+            report = _check_data_file(path, hf_checkpoint, max_new_tokens, needed, what, needed_by, input_key,
+                                      label_key)
             get_run_logger().info("%s: %s", what, report.summary())
             out[f"{what}_rows"] = report.n_kept
             out[f"{what}_dropped"] = dict(report.dropped)
     for what, spec, path, synthetic in (("reward", reward, train_data, train[0]),
                                         ("eval_reward", eval_reward, eval_data, held_out[0])):
-        out[f"{what}_cases_checked"] = _check_reward(spec, what, path, synthetic)  # raises RewardCheckFailed
+        # raises RewardCheckFailed
+        out[f"{what}_cases_checked"] = _check_reward(spec, what, path, synthetic, input_key, label_key)
     if miles is not None:
         out["miles"] = _check_miles_job(preset, miles)
     return out
 
 
-def _check_reward(spec: str, what: str, data_file: str, synthetic: dict) -> int:
+def _check_reward(spec: str, what: str, data_file: str, synthetic: dict, input_key: str = "prompt",
+                  label_key: str = "label") -> int:
     """A built-in on its golden cases; a user's function on the first row of its data (or the synthetic task's)."""
     from rl.datasets import load_prompt_dataset
     from rl.reward_spec import check_reward, resolve_reward
@@ -57,7 +61,7 @@ def _check_reward(spec: str, what: str, data_file: str, synthetic: dict) -> int:
     choice = resolve_reward(spec, data_file, what)
     prompt, label = synthetic["prompt"], synthetic["label"]
     if data_file and choice.takes_prompt:
-        first = load_prompt_dataset(data_file)[0][0]
+        first = load_prompt_dataset(data_file, input_key=input_key, label_key=label_key)[0][0]
         prompt, label = first.prompt_text, first.label
     return check_reward(choice, prompt, label, what)
 
@@ -90,7 +94,8 @@ def _check_miles_job(preset: str, miles: dict) -> dict:
             "submit": prepared.submit_argv[:5]}
 
 
-def _check_data_file(path: str, hf_checkpoint: str, max_new_tokens: int, needed: int, what: str, needed_by: str):
+def _check_data_file(path: str, hf_checkpoint: str, max_new_tokens: int, needed: int, what: str, needed_by: str,
+                     input_key: str = "prompt", label_key: str = "label"):
     from transformers import AutoTokenizer
 
     from engines.train.run import load_data_file, prompt_encoder
@@ -98,4 +103,4 @@ def _check_data_file(path: str, hf_checkpoint: str, max_new_tokens: int, needed:
     tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
     encode = prompt_encoder(tokenizer)
     return load_data_file(path, encode, base=hf_checkpoint, max_new_tokens=max_new_tokens, min_rows=needed,
-                          what=what, needed_by=needed_by).report
+                          what=what, needed_by=needed_by, input_key=input_key, label_key=label_key).report

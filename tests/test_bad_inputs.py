@@ -238,6 +238,7 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
     from flows.rl_pipeline import rl_pipeline
 
     runs = str(tmp_path / "runs")
+    (tmp_path / "afile").write_text("a file where a folder belongs")
     small = dict(runs_root=runs, steps=1, eval_interval=1, prompts_per_step=1, n_eval=1, eval_samples=1,
                  align_prompts=1, use_ray=False)  # cheap, should a case ever pass validation by mistake
     cases = [
@@ -246,7 +247,13 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
         (dict(train_data=str(tmp_path / "nope.jsonl")), f"train_data {tmp_path / 'nope.jsonl'} does not exist"),
         (dict(eval_data=str(tmp_path / "data.csv")), "unsupported file type '.csv'; give a .jsonl, .json or .parquet"),
         (dict(max_grader_error_ratio=2.0), "params.max_grader_error_ratio: Input should be less than or equal to 1"),
-        (dict(hf_checkpoint=str(tmp_path)), "has no config.json; point it at a DeepSeek-V4 HF checkpoint"),
+        (dict(hf_checkpoint=str(tmp_path)), "config.json is missing; a HF checkpoint directory needs its config.json"),
+        (dict(hf_checkpoint=str(tmp_path / "nope")), "nope: no such directory; give the directory of a HF"),
+        (dict(preset="tiny_gpu"), "unknown preset 'tiny_gpu'; did you mean 'tiny-cpu'?"),
+        (dict(input_key=""), "params.input_key: String should have at least 1 character"),
+        (dict(preset="dsv4-flash-mi355x", miles_check_dir=str(tmp_path / "miles")),
+         "miles_check_dir " + str(tmp_path / "miles") + ": no such directory on this host"),
+        (dict(runs_root=str(tmp_path / "afile")), "runs_root " + str(tmp_path / "afile") + " is a file"),
         (dict(store_url="ftp://host/x"), "params.store_url: Value error, store_url:"),
     ]
     for bad, expected in cases:
@@ -264,6 +271,37 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
 
     message = _failed_flow_message(nightly_validation, date="2025-02-30", runs_root=runs)
     assert "params.date: Value error, date '2025-02-30' is not a calendar date; give YYYY-MM-DD" in message
+
+
+def test_a_broken_data_file_fails_the_flow_once_with_its_one_line(prefect_server, tmp_path, capfd):  # noqa: F811
+    """A JSONL with one malformed line in 101 rows: the line is a dropped row (counted, named), and where the usable
+    rows fall short preflight fails once, not retried, with the DatasetError's line; no datasets/Arrow traceback."""
+    from prefect.client.orchestration import get_client
+
+    from flows.rl_pipeline import rl_pipeline
+
+    rows = [json.dumps({"prompt": PROMPT.format(a=i, b=i), "label": str(2 * i)}) for i in range(101)]
+    rows[50] = '{"prompt": "Compute 50+50.", "label": '
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    state = rl_pipeline(params=dict(runs_root=str(tmp_path / "runs"), train_data=str(data), prompts_per_step=128,
+                                    steps=1, eval_interval=1, n_eval=1, eval_samples=1, align_prompts=1,
+                                    use_ray=False), return_state=True)
+    assert state.is_failed(), state
+    message = str(state.result(raise_on_failure=False))
+    assert f"{data}: train_data has only 100 usable rows of 101, and the run needs at least 128 " \
+           "(prompts_per_step=128)" in message, message
+    assert "malformed_json=1 (rows 50)" in message and "lower prompts_per_step" in message
+    output = capfd.readouterr()
+    assert "ArrowInvalid" not in output.out + output.err and "DatasetGenerationError" not in output.out + output.err
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details
+                                                                                           .flow_run_id])))
+    preflight = [r for r in runs if r.name.startswith("preflight")]
+    assert len(preflight) == 1 and preflight[0].run_count == 1, [(r.name, r.run_count) for r in runs]
+    assert [r.name for r in runs if not r.name.startswith("preflight")] == []  # nothing after it ran
 
 
 # ============================================================================================== checkpoints
@@ -356,7 +394,140 @@ def test_cli_data_flags_reach_the_training_config(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(run_module, "run_training", lambda out, config, **kw: seen.append(config) or {"evals": []})
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    for path in (train, held_out):
+        _write_jsonl(path, [{"question": "Compute 1+1.", "answer": 2}])
     result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), "--train-data", str(train),
-                                      "--eval-data", str(held_out)])
+                                      "--eval-data", str(held_out), "--input-key", "question", "--label-key",
+                                      "answer", "--preset", "TINY_CPU"])
     assert result.exit_code == 0, result.output
     assert (seen[0].train_data, seen[0].eval_data) == (str(train), str(held_out))
+    assert (seen[0].input_key, seen[0].label_key) == ("question", "answer")
+
+
+# ============================================================================================== every command
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """A folder of plausible mistakes: a torch_dist-looking directory, a plain file, a data file with other column
+    names, a file of broken JSON lines, a directory named like a data file."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    torch_dist = root / "torch_dist"
+    (torch_dist / "release").mkdir(parents=True)
+    (torch_dist / "latest_checkpointed_iteration.txt").write_text("release")
+    (torch_dist / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (root / "afile").write_text("not a folder")
+    _write_jsonl(root / "qa.jsonl", [{"question": PROMPT.format(a=i, b=i), "answer": 2 * i} for i in range(8)])
+    (root / "broken.jsonl").write_text("{not json\n" * 5)
+    (root / "folder.jsonl").mkdir()
+    return root
+
+
+# (command line with {B}: the bad-inputs folder, {TINY}: the committed HF base), exit code, the one line expected
+CLI_CASES = {
+    "train unknown preset": ("train --out {B}/run --preset tiny-gpu", 1,
+                             "--preset: unknown preset 'tiny-gpu'; did you mean 'tiny-cpu'?"),
+    "train cluster preset": ("train --out {B}/run --preset DSV4_flash_mi355x", 1,
+                             "preset 'dsv4-flash-mi355x' trains on a GPU cluster through Miles; see `v4rl plan "
+                             "--preset dsv4-flash-mi355x --launch`"),
+    "train missing data": ("train --out {B}/run --train-data {B}/missing.jsonl", 1,
+                           "--train-data {B}/missing.jsonl: no such file; check the path"),
+    "train data folder": ("train --out {B}/run --eval-data {B}/folder.jsonl", 1,
+                          "--eval-data {B}/folder.jsonl is a directory; give the data file inside it"),
+    "train csv": ("train --out {B}/run --train-data {B}/afile.csv", 1, "--train-data {B}/afile.csv: unsupported "
+                  "file type '.csv'; give a .jsonl, .json or .parquet file"),
+    "train base torch_dist": ("train --out {B}/run --base {B}/torch_dist", 1, "--base {B}/torch_dist is a Megatron "
+                              "torch_dist checkpoint, not a HF one; export it first: v4rl export {B}/torch_dist"),
+    "train base missing": ("train --out {B}/run --base {B}/nope", 1, "--base {B}/nope: no such directory"),
+    "train out is a file": ("train --out {B}/afile", 1, "--out {B}/afile is a file; give a directory"),
+    "train unknown reward": ("train --out {B}/run --reward no_such_module:score", 1, "no_such_module"),
+    "train other columns": ("train --out {B}/run --train-data {B}/qa.jsonl --no-ray --prompts-per-step 2", 1,
+                            "no 'prompt' column and no 'label' column (columns: ['answer', 'question']); name the "
+                            "column(s) with --input-key question --label-key answer"),
+    "train broken lines": ("train --out {B}/run --train-data {B}/broken.jsonl --no-ray --prompts-per-step 2", 1,
+                           "train_data has no usable row: all 5 were dropped"),
+    "convert torch_dist": ("convert {B}/torch_dist {B}/out", 1, "{B}/torch_dist is a Megatron torch_dist "
+                           "checkpoint, not a HF one; export it first: v4rl export {B}/torch_dist HF_DIR"),
+    "convert missing": ("convert {B}/nope {B}/out", 1, "SRC {B}/nope: no such directory"),
+    "convert dst file": ("convert {TINY} {B}/afile", 1, "DST {B}/afile is a file"),
+    "export hf": ("export {TINY} {B}/out --format hf-bf16", 1, "SRC {TINY} is a HF checkpoint, not a torch_dist one; "
+                  "convert it first: v4rl convert {TINY} TORCH_DIST_DIR"),
+    "export missing": ("export {B}/nope {B}/out --format hf-fp8", 1, "SRC {B}/nope: no such directory"),
+    "export format": ("export {B}/torch_dist {B}/out --format hf-16", 1, "--format must be hf-bf16 or hf-fp8"),
+    "verify hf": ("verify-ckpt {TINY}", 1, "is a HF checkpoint, not a torch_dist one; convert it first"),
+    "verify json folder": ("verify-ckpt {B}/torch_dist --json {B}/nodir/x.json", 1,
+                           "--json {B}/nodir/x.json: the folder {B}/nodir does not exist"),
+    "score torch_dist": ("score --model {B}/torch_dist --input {B}/afile --json {B}/o.json", 1,
+                         "--model {B}/torch_dist is a Megatron torch_dist checkpoint"),
+    "score missing input": ("score --model {TINY} --input {B}/nope.json --json {B}/o.json", 1,
+                            "--input {B}/nope.json: no such file"),
+    "score bad input": ("score --model {TINY} --input {B}/afile --json {B}/o.json", 1,
+                        "cannot read sequences from {B}/afile"),
+    "serve missing": ("serve-rollout --model {B}/nope --port 0", 1, "--model {B}/nope: no such directory"),
+    "align torch_dist as HF": ("align --model {TINY} --torch-dist {TINY} --json {B}/a.json", 2,
+                               "--torch-dist {TINY} is a HF checkpoint, not a torch_dist one"),
+    "align json under a file": ("align --model {TINY} --torch-dist {B}/torch_dist --json {B}/afile/a.json", 2,
+                                "--json {B}/afile/a.json: {B}/afile is a file, not a folder"),
+    "plan unknown preset": ("plan --preset dsv4-flash", 1, "unknown preset 'dsv4-flash'; did you mean "
+                            "'dsv4-flash-mi355x'?"),
+    "plan tiny launch": ("plan --preset tiny_cpu --launch", 1, "--launch: tiny-cpu runs on this machine"),
+    "bench unknown": ("bench nope --json {B}/b.json", 2, "NAME: unknown benchmark 'nope'; choose one of convert"),
+    "bench json folder": ("bench convert --json {B}/nodir/b.json", 2, "the folder {B}/nodir does not exist"),
+    "bootstrap out file": ("bootstrap --out {B}/afile", 1, "--out {B}/afile is a file"),
+    "demo workdir file": ("demo --workdir {B}/afile", 1, "--workdir {B}/afile is a file"),
+}
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_every_command_answers_a_mistake_with_one_line(case, bad, tiny_base):
+    """Each command x plausible mistake: the exit code, ONE line on stderr naming the input and the fix, no
+    traceback, and nothing left behind (the folder of inputs is unchanged, so the corrected rerun finds no debris)."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from v4rl.cli import app
+
+    line, code, expected = CLI_CASES[case]
+    fill = lambda text: text.replace("{B}", str(bad)).replace("{TINY}", str(tiny_base))  # noqa: E731
+    before = _listing(bad)
+    result = CliRunner().invoke(app, shlex.split(fill(line)))
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
+        f"{case}: {result.exception!r}"
+    assert result.exit_code == code, (case, result.exit_code, result.output)
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (case, result.stderr)
+    assert fill(expected) in lines[0], (case, lines[0])
+    assert "Traceback" not in result.output and not result.stdout.strip(), (case, result.output)
+    assert _listing(bad) == before, case  # no run directory, no half-written output
+
+
+def test_the_suggested_commands_accept_every_spelling(tmp_path):
+    """`v4rl train --preset tiny_cpu` and the command it points at accept the same names: the planner and the flow
+    parameters normalise case and _/- exactly as `v4rl train` does."""
+    from typer.testing import CliRunner
+
+    from engines.run_presets import preset_name
+    from flows.params import PipelineParams
+    from v4rl.cli import app
+
+    assert preset_name("Tiny_CPU") == "tiny-cpu" and preset_name("dsv4_flash_mi355x_1node") == "dsv4-flash-mi355x-1node"
+    result = CliRunner().invoke(app, ["plan", "--preset", "dsv4_flash_mi355x", "--launch"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["preset"] == "dsv4-flash-mi355x", result.output
+    assert PipelineParams(preset="TINY_CPU", runs_root=str(tmp_path)).preset == "tiny-cpu"
+    with pytest.raises(ValueError, match=r"unknown preset 'tiny-gpu'; did you mean 'tiny-cpu'\?"):
+        PipelineParams(preset="tiny-gpu", runs_root=str(tmp_path))
+    params = PipelineParams(preset="dsv4-flash-mi355x", hf_checkpoint="/data/x", input_key="question",
+                            label_key="answer", runs_root=str(tmp_path))
+    assert params.miles_overrides()["input_key"] == "question"
+    assert params.training_fingerprint() != PipelineParams(preset="dsv4-flash-mi355x", hf_checkpoint="/data/x",
+                                                           runs_root=str(tmp_path)).training_fingerprint()
+    from engines.run_presets import resolve
+    from engines.train.miles.train_args import rollout_args
+
+    argv = rollout_args(resolve(params.preset, params.miles_overrides())[0], params.miles_job())
+    assert argv[argv.index("--input-key") + 1] == "question" and argv[argv.index("--label-key") + 1] == "answer"

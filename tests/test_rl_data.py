@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.datasets import DROP_REASONS, PromptRow, load_prompt_dataset
+from rl.datasets import DROP_REASONS, DatasetError, PromptRow, load_prompt_dataset
 from rl.math_task import (
     PROMPT_CHARSET,
     charset,
@@ -252,20 +252,63 @@ def test_synthetic_task_file_loads(tmp_path: Path) -> None:
 
 
 def test_file_level_errors_name_the_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DatasetError, match=r"missing\.jsonl: no such file; check the dataset path"):
         load_prompt_dataset(tmp_path / "missing.jsonl")
+    folder = tmp_path / "d.jsonl"
+    folder.mkdir()
+    with pytest.raises(DatasetError, match=r"d\.jsonl is not a file"):
+        load_prompt_dataset(folder)
     (tmp_path / "data.csv").write_text("prompt,label\n")
-    with pytest.raises(ValueError, match=r"data\.csv: unsupported file type"):
+    with pytest.raises(DatasetError, match=r"data\.csv: unsupported file type"):
         load_prompt_dataset(tmp_path / "data.csv")
     wrong_key = _write_lines(tmp_path / "keys.jsonl", [{"question": "q", "answer": 1}])
-    columns = r"no 'prompt' column \(columns: \['answer', 'question'\]\)"
-    with pytest.raises(ValueError, match=columns):
+    columns = (r"no 'prompt' column and no 'label' column \(columns: \['answer', 'question'\]\); name the "
+               r"column\(s\) with --input-key question --label-key answer \(v4rl train; flow parameters "
+               r"input_key / label_key\)")
+    with pytest.raises(DatasetError, match=columns):
         load_prompt_dataset(wrong_key)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b", "label": 2\n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl:2: malformed JSON"):
-        load_prompt_dataset(broken)
+    rows, _ = load_prompt_dataset(wrong_key, input_key="question", label_key="answer")
+    assert [(r.prompt_text, r.label) for r in rows] == [("q", "1")]
+    only_label = _write_lines(tmp_path / "label.jsonl", [{"prompt": "q", "solution": "1"}])
+    with pytest.raises(DatasetError, match=r"no 'label' column .*; name the column\(s\) with --label-key solution "):
+        load_prompt_dataset(only_label)
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DatasetError, match=r"bad\.parquet: could not be read as parquet \(\w+"):
+        load_prompt_dataset(tmp_path / "bad.parquet")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     rows, report = load_prompt_dataset(empty)
     assert rows == [] and report.n_rows == 0
+
+
+def test_a_malformed_json_line_is_a_dropped_row_not_a_failed_load(tmp_path: Path, caplog) -> None:
+    """One broken line in 101 costs that line (counted, its line number in the warning), as `v4rl train --help`
+    says of bad rows; a line that is JSON but not an object likewise. strict=True still stops at it."""
+    lines = [json.dumps({"prompt": f"p{i}", "label": i}) for i in range(101)]
+    lines[50] = '{"prompt": "p50", "label": 50'  # line 51: the closing brace lost
+    lines.insert(80, "")  # a blank line is no row
+    lines.append("[1, 2]")
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level("WARNING", logger="rl.datasets"):
+        rows, report = load_prompt_dataset(path)
+    assert (report.n_rows, report.n_kept, report.dropped) == (102, 100, {"malformed_json": 2})
+    assert report.examples["malformed_json"] == [50, 101]
+    assert 50 not in [r.source_index for r in rows] and rows[50].label == "51"
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("row 50 (0-based) dropped [malformed_json]: line 51: malformed JSON" in m for m in warned), warned
+    assert any("line 103: a JSON list, expected an object per line" in m for m in warned), warned
+    with pytest.raises(DatasetError, match=r"big\.jsonl: row 50 \(0-based\), line 51: malformed JSON"):
+        load_prompt_dataset(path, strict=True)
+
+
+def test_json_array_files_and_json_lines_with_a_json_suffix_load(tmp_path: Path) -> None:
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"prompt": "a", "label": 1}, "oops", {"prompt": "b", "label": 2.0}]))
+    rows, report = load_prompt_dataset(array)
+    assert [(r.prompt_text, r.label) for r in rows] == [("a", "1"), ("b", "2")]
+    assert report.dropped == {"malformed_json": 1}
+    lines = tmp_path / "lines.json"
+    lines.write_text('{"prompt": "a", "label": "x\u2028y"}\n{"prompt": "b", "label": 3}\n')
+    rows, report = load_prompt_dataset(lines)
+    assert [r.label for r in rows] == ["x\u2028y", "3"] and report.n_dropped == 0

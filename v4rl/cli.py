@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,6 +41,11 @@ def bootstrap(out: Path = typer.Option(..., help="Directory to write the checkpo
               pass1_low: float = typer.Option(0.25), pass1_high: float = typer.Option(0.45),
               pass8_max: float = typer.Option(0.82)) -> None:
     """Train the tiny model from scratch until held-out pass@1 lies in the band; write FP8 + FP4 HF checkpoint."""
+    from v4rl import inputs
+
+    problem = inputs.output_dir("--out", out)
+    if problem:
+        _fail(problem)
     from engines.train.bootstrap import BootstrapConfig, bootstrap as run
 
     try:
@@ -56,6 +62,13 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
           dtype: str = typer.Option("float32", help="float32 | bfloat16 compute precision."),
           json_out: Path = typer.Option(..., "--json", help="Where to write [{\"logprobs\": [...]}, ...].")) -> None:
     """Per-token logprobs of the response tokens under our engine or the transformers reference."""
+    from v4rl import inputs
+
+    problem = inputs.first_problem(inputs.hf_checkpoint("--model", model),
+                                   inputs.input_file("--input", input, 'a JSON list of {"prompt_ids", "response_ids"}'),
+                                   inputs.output_file("--json", json_out))
+    if problem:
+        _fail(problem)
     from engines.score import read_sequences, score as run
 
     try:
@@ -69,23 +82,29 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 @app.command()
 def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
           preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
-          steps: int = typer.Option(100, help="GRPO steps of the run."),
+          steps: int = typer.Option(100, min=1, help="GRPO steps of the run."),
           base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
-          prompts_per_step: int = typer.Option(128), n_samples: int = typer.Option(8),
-          eval_interval: int = typer.Option(10), n_eval: int = typer.Option(200),
+          prompts_per_step: int = typer.Option(128, min=1), n_samples: int = typer.Option(8, min=2),
+          eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
           lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
-                                                     "addition task); bad rows are dropped and counted."),
+                                                     "addition task); bad rows (a malformed JSON line too) are "
+                                                     "dropped and counted."),
           eval_data: Path = typer.Option(None, help="Held-out rows in the same format (default: synthetic)."),
+          input_key: str = typer.Option("prompt", help="Column of --train-data / --eval-data holding the prompt "
+                                                       "(Miles' --input-key), e.g. question."),
+          label_key: str = typer.Option("label", help="Column holding the reference answer (Miles' --label-key), "
+                                                      "e.g. answer."),
           reward: str = typer.Option("auto", help="auto (literal for the synthetic task, math-verify for --train-data), "
                                                   "literal, math-verify, or package.module:function with TRL's "
                                                   "contract f(prompts, completions, label, **kwargs) -> list[float] "
                                                   "(rl/reward_spec.py; the module must be on PYTHONPATH)."),
           eval_reward: str = typer.Option("auto", help="Grader of held-out pass@k: auto (literal for the synthetic "
                                                        "set, math-verify for --eval-data) or any --reward value."),
-          max_grader_error_ratio: float = typer.Option(0.25, help="Fraction of a step's samples whose reward may fail "
-                                                                  "(scored 0, counted) before the run stops."),
+          max_grader_error_ratio: float = typer.Option(0.25, min=0.0, max=1.0,
+                                                       help="Fraction of a step's samples whose reward may fail "
+                                                            "(scored 0, counted) before the run stops."),
           rollout_expert_dtype: str = typer.Option("fp8", help="Routed experts as the rollout engine serves them and "
                                                                "every weight update carries: fp8 (the base's FP4 "
                                                                "experts converted once at the start, logged) or fp4."),
@@ -96,15 +115,30 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           wandb: bool = typer.Option(False, "--wandb", help="Also log metrics and evals to W&B: offline under "
                                                             "OUT/wandb/ unless WANDB_MODE=online.")) -> None:
     """GRPO + TIS on the embedded engines (rollout server over HTTP, transformers trainer), resumable."""
+    from engines.run_presets import preset_name
+    from v4rl import inputs
+
+    try:  # tiny_cpu and tiny-cpu alike; an unknown name gets the closest known one
+        preset = preset_name(preset)
+    except ValueError as exc:
+        _fail(f"--preset: {exc}")
+    if preset != "tiny-cpu":
+        _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    # Paths first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet
+    problem = inputs.first_problem(inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
+                                   inputs.data_file("--train-data", train_data),
+                                   inputs.data_file("--eval-data", eval_data))
+    if problem:
+        _fail(problem)
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
 
-    if preset != "tiny-cpu":
-        _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
-    try:  # an unknown reward, an import path that does not resolve: a ValueError naming the option and the fix
+    created = not out.exists()
+    try:  # an unknown reward, an import path that does not resolve, bad data: a ValueError naming the fix
         config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
                                 metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
+                                input_key=input_key, label_key=label_key,
                                 reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
                                 rollout_expert_dtype=rollout_expert_dtype,
                                 loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
@@ -112,6 +146,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                                 dynamic_sampling=dynamic_sampling))
         summary = run_training(out, config)
     except ValueError as exc:
+        if created and not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
         _fail(str(exc))
     for ev in summary["evals"]:
         typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
@@ -120,11 +156,18 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
 @app.command()
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
          seed: int = typer.Option(0), steps: int = typer.Option(10, help="GRPO steps of the demo run."),
-         fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one.")) -> None:
+         fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one."),
+         ui: bool = typer.Option(False, "--ui", help="Serve the Prefect UI from the demo's own server, print live "
+                                                     "links to the run and keep it up until Ctrl-C.")) -> None:
     """The tiny-cpu rl-pipeline end to end under a local Prefect server; prints where the report is."""
+    from v4rl import inputs
     from v4rl.demo import run_demo
 
-    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps))
+    problem = inputs.output_dir("--workdir", workdir)
+    if problem:
+        _fail(problem)
+
+    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui))
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.

@@ -55,6 +55,14 @@ def register(app: typer.Typer) -> None:
         trainer_dtype: str = typer.Option("bfloat16", help="Trainer compute dtype: bfloat16 | float32."),
     ) -> None:
         """Rollout generates once; trainer and reference rescore the same tokens; localise the first mismatch."""
+        from v4rl import inputs
+
+        problem = inputs.first_problem(inputs.hf_checkpoint("--model", model),
+                                       inputs.torch_dist_checkpoint("--torch-dist", torch_dist),
+                                       inputs.output_file("--json", json_out, parents_made=True))
+        if problem:
+            typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=EXIT_BAD_INPUT)
         from engines.align import AlignConfig, AlignError, align as run
 
         try:

@@ -27,12 +27,18 @@ def register(app: typer.Typer) -> None:
                                                 help="rollout only: several DeepSeek-V4 shapes instead of tiny-cpu "
                                                      "(writes a PNG beside the JSON).")) -> None:
         """Run a side-by-side benchmark against its named peer; ratios measured in the same run."""
-        if name not in BENCHES:
-            raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
-        if steps is not None and name not in STEPS_BENCHES:
-            raise typer.BadParameter(f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}")
-        if config_sweep and name not in SWEEPS:
-            raise typer.BadParameter(f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}")
+        from v4rl import inputs
+
+        problem = inputs.first_problem(
+            None if name in BENCHES else f"NAME: unknown benchmark {name!r}; choose one of {', '.join(BENCHES)}",
+            None if steps is None or name in STEPS_BENCHES else
+            f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}",
+            None if not config_sweep or name in SWEEPS else
+            f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}",
+            inputs.output_file("--json", json_out))  # before a benchmark of minutes, not when it writes its result
+        if problem:
+            typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2)
         target = SWEEPS[name] if config_sweep else BENCHES[name]
         try:
             module = importlib.import_module(target)

@@ -17,10 +17,19 @@ from pathlib import Path
 
 import typer
 
+from v4rl import inputs
+
 
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
+
+
+def _check(*problems: str | None) -> None:
+    """Fail with the first path problem (v4rl/inputs.py), before any checkpoint is read or anything written."""
+    problem = inputs.first_problem(*problems)
+    if problem:
+        _fail(problem)
 
 
 def _errors() -> tuple[type[BaseException], ...]:
@@ -54,6 +63,7 @@ def register(app: typer.Typer) -> None:
         """Convert HF FP8/FP4 -> Megatron torch_dist BF16: streamed, parallel, atomic; a no-op when up to date."""
         if verify not in ("structure", "full", "none"):
             _fail(f"--verify must be structure, full or none; got {verify!r}")
+        _check(inputs.hf_checkpoint("SRC", src), inputs.output_dir("DST", dst))
         from checkpoints.convert import convert_hf_to_torch_dist
         from engines.train.miles.generation import megatron_names_for
 
@@ -84,6 +94,8 @@ def register(app: typer.Typer) -> None:
         """Export torch_dist -> HF native layout, BF16 or re-quantized FP8/FP4 (the weight-update format)."""
         if format not in ("hf-bf16", "hf-fp8"):
             _fail(f"--format must be hf-bf16 or hf-fp8; got {format!r}")
+        _check(inputs.torch_dist_checkpoint("SRC", src), inputs.output_dir("DST", dst),
+               inputs.hf_checkpoint("--like", like))
         from checkpoints.convert import export_torch_dist_to_hf
 
         try:
@@ -102,6 +114,8 @@ def register(app: typer.Typer) -> None:
                     json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON."),
                     progress: bool = typer.Option(True, help="Show a progress bar.")) -> None:
         """Load with megatron-core (load_tensors_metadata + load) and check names, shapes, dtypes, finiteness, values."""
+        _check(inputs.torch_dist_checkpoint("CKPT", ckpt), inputs.hf_checkpoint("--against", against),
+               inputs.output_file("--json", json_out))
         from checkpoints.convert import verify_torch_dist
 
         try:

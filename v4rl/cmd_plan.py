@@ -101,6 +101,9 @@ def plan(
     site_args = dict(head_ip=head_ip, worker_ip=worker_ip, ifname=ifname, ib_hca=ib_hca, ray_address=ray_address,
                      master_addr=master_addr)
     try:
+        from engines.run_presets import preset_name
+
+        preset = preset_name(preset)  # tiny_cpu and tiny-cpu alike, as everywhere else
         if recompute not in (None, "full", "selective", "none"):
             raise ValueError(f"--recompute must be full, selective or none (got {recompute!r})")
         from v4rl import plan_miles
@@ -111,6 +114,10 @@ def plan(
         from v4rl import plan_miles
 
         cluster = resolve(preset, overrides)[0].profile != "cpu"
+        if launch and not cluster:
+            raise ValueError(f"--launch: {preset} runs on this machine, with no launch plan: `v4rl train --preset "
+                             f"{preset}` or `v4rl demo`; launch plans are for the cluster presets (e.g. "
+                             "--preset dsv4-flash-mi355x)")
         site, job = plan_miles.site_and_job(preset, overrides, paths, **site_args) if cluster else (None, None)
         launch_obj = plan_miles.launch(preset, overrides, site, job) if launch and cluster else None
         miles_obj = plan_miles.job_json(preset, overrides, site, job) if cluster and (json_out or seed_command) \

@@ -29,6 +29,12 @@ def register(app: typer.Typer) -> None:
         """Serve SGLang's native HTTP API (/generate, pause/continue, weight updates) on the embedded engine."""
         # Before torch loads: libgomp's default spin-wait slows a loaded CPU box ~10x (engines/rollout/server.py).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        from v4rl import inputs
+
+        problem = inputs.hf_checkpoint("--model", model)
+        if problem:
+            typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1)
         from checkpoints.hf import CheckpointError
         from engines.rollout.engine import EngineConfig, RolloutEngine
         from engines.rollout.server import serve

@@ -2,10 +2,16 @@
 
 1. the tiny DeepSeek-V4 base checkpoint (FP8 + FP4 experts): the committed asset that
    `v4rl bootstrap --seed 0` reproduces byte for byte, or a fresh bootstrap with `--fresh`;
-2. a local Prefect server on 127.0.0.1 (own PREFECT_HOME under the work dir) unless PREFECT_API_URL is set;
+2. a local Prefect server on 127.0.0.1 (own PREFECT_HOME under the work dir) unless PREFECT_API_URL is set.
+   It runs without its UI and stops when the demo ends, so the demo turns off Prefect's "View at <url>" links
+   (PREFECT_UI_URL empty): they would point at a page that is gone. `--ui` serves the UI instead, prints live
+   links and keeps the server up until Ctrl-C. To use your own server, start it and point the demo at it:
+       .venv/bin/prefect server start --host 127.0.0.1 &            # UI at http://127.0.0.1:4200
+       PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/v4rl demo
 3. the rl-pipeline flow: preflight, HF FP8 -> torch_dist conversion, megatron-core verification, alignment
    gate, GRPO segments on a loopback Ray cluster with evaluations, uploads, the report;
-4. where the report and artifacts are, and how to open the run in the Prefect UI.
+4. held-out pass@k before and after, each with its standard error over the problems (how much of a change is
+   noise), where the report and artifacts are, and how to open the run in the Prefect UI.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 10) -> int:
+def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 10, ui: bool = False) -> int:
     console = Console()
     workdir = workdir.resolve()
     os.environ.update({k: os.environ.get(k, v) for k, v in QUIET_ENV.items()})
     base = _base_checkpoint(workdir, seed, fresh, console)
     server = None
     if not os.environ.get("PREFECT_API_URL"):
-        server, home = _start_prefect(workdir / "prefect-home", console)
+        server, home = _start_prefect(workdir / "prefect-home", console, ui=ui)
     try:
         from flows.params import PipelineParams
         from flows.rl_pipeline import rl_pipeline
@@ -42,18 +48,59 @@ def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 
         result = rl_pipeline(params)
         summary = result["summary"]
         console.print(f"\n[bold green]done[/]: report {params.run_dir / 'report.md'}, artifacts {params.store}")
-        for k in ("pass@1_first", "pass@1_last", "pass@8_first", "pass@8_last", "logprob_abs_diff_mean"):
-            if k in summary:
-                console.print(f"  {k}: {summary[k]:.3f}")
-        if server is not None:
+        for line in pass_at_k_lines(params.run_dir):
+            console.print(f"  {line}")
+        if "logprob_abs_diff_mean" in summary:
+            console.print(f"  train/rollout |Δlogprob| mean {summary['logprob_abs_diff_mean']:.4f}")
+        if server is not None and ui:
+            url = os.environ["PREFECT_UI_URL"]
+            console.print(f"\nPrefect UI: {url} (Runs -> rl-pipeline, Artifacts); the server stays up until you "
+                          "press Ctrl-C")
+            _serve_until_interrupted(server)
+        elif server is not None:
             console.print(f"\nOpen the run in the Prefect UI: PREFECT_HOME={home} .venv/bin/prefect server start "
-                          "--host 127.0.0.1  then http://127.0.0.1:4200 (Runs -> rl-pipeline, Artifacts)")
+                          "--host 127.0.0.1  then http://127.0.0.1:4200 (Runs -> rl-pipeline, Artifacts); or run "
+                          "`v4rl demo --ui`, which keeps its server and UI up at the end")
         return 0
     finally:
         if server is not None:
             _flush_prefect_workers()  # while the server still answers; at exit they would find it gone
             server.terminate()
             server.wait(timeout=30)
+
+
+def pass_at_k_lines(run_dir: Path) -> list[str]:
+    """Held-out pass@1 and pass@8 at the first and last evaluation, each ± one standard error over the problems,
+    and how large a change must be to stand out of that noise (about twice the larger standard error)."""
+    from engines.train.runlog import RunLog
+
+    evals = RunLog(run_dir).evals()
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    lines = []
+    for key in ("pass@1", "pass@8"):
+        if key not in first or key not in last:
+            continue
+        errs = [e.get(f"{key}_stderr") for e in (first, last)]
+        shown = [f"{e[key]:.3f}" + (f" ± {err:.3f}" if err is not None else "") for e, err in zip((first, last), errs)]
+        line = f"held-out {key}: step {first['step']} {shown[0]} -> step {last['step']} {shown[1]}"
+        if None not in errs:
+            change, noise = last[key] - first[key], 2 * max(errs)
+            verdict = "beyond" if abs(change) > noise else "within"
+            line += f" (change {change:+.3f}, {verdict} the noise of ±{noise:.3f})"
+        lines.append(line)
+    if "n_problems" in last:
+        lines.append(f"({last['n_problems']} held-out problems x {last.get('n_samples', '?')} samples per evaluation;"
+                     " ± is one standard error over the problems)")
+    return lines
+
+
+def _serve_until_interrupted(server: subprocess.Popen) -> None:
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
 
 
 def _flush_prefect_workers() -> None:
@@ -79,7 +126,15 @@ def _base_checkpoint(workdir: Path, seed: int, fresh: bool, console: Console) ->
     return base
 
 
-def _start_prefect(home: Path, console: Console):
+def client_env(port: int, home: Path, *, ui: bool) -> dict[str, str]:
+    """What the demo's own Prefect client needs for a server on 127.0.0.1:`port`. Without its UI (the server also
+    stops with the demo) PREFECT_UI_URL is empty, which turns off Prefect's "View at <url>" links: they would
+    point at a page that does not load."""
+    return {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_HOME": str(home),
+            "PREFECT_UI_URL": f"http://127.0.0.1:{port}" if ui else ""}
+
+
+def _start_prefect(home: Path, console: Console, *, ui: bool = False):
     import socket
     import time
     import urllib.request
@@ -88,11 +143,12 @@ def _start_prefect(home: Path, console: Console):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PREFECT_HOME": str(home)}
+    api = f"http://127.0.0.1:{port}/api"
+    # With --port alone the UI still calls the API on 4200 (its /ui-settings api_url): tell it the real port
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(port), "PREFECT_UI_API_URL": api}
     log = open(home / "server.log", "a")  # noqa: SIM115 - owned by the server process
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port), "--no-ui"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    api = f"http://127.0.0.1:{port}/api"
+                             str(port)] + ([] if ui else ["--no-ui"]), env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -105,6 +161,6 @@ def _start_prefect(home: Path, console: Console):
     else:
         proc.terminate()
         raise TimeoutError(f"the Prefect server on {api} did not answer within 120 s; see {home / 'server.log'}")
-    os.environ.update({"PREFECT_API_URL": api, "PREFECT_HOME": str(home)})
+    os.environ.update(client_env(port, home, ui=ui))
     console.print(f"[bold]Prefect[/]: local server {api} (PREFECT_HOME={home}, pid {proc.pid})")
     return proc, home

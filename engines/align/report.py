@@ -220,3 +220,40 @@ def align(model_dir: str | Path, torch_dist_dir: str | Path, config: AlignConfig
                     "rescore": round(t_score - t_gen, 3), "localise": round(t_loc - t_score, 3),
                     "total": round(t_loc - t0, 3)},
     }
+
+
+def markdown(report: dict) -> str:
+    """The report as readable markdown (the Prefect artifact and the run report's section): verdict, the
+    |Δlogprob| statistics of each engine pair against the thresholds, the first diverging layer, what each engine
+    was; the JSON keeps everything else."""
+    def num(value) -> str:
+        return "" if value is None else f"{value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.1e}"
+
+    limits = report.get("thresholds", {})
+    pairs = report.get("pairs") or {"rollout_vs_trainer": report["token_abs_diff"]}
+    lines = [f"**{'passed' if report['passed'] else 'FAILED'}**: {report.get('n_tokens', '?')} response tokens of "
+             f"{report.get('n_sequences', '?')} sequences ({report.get('n_empty_responses', 0)} empty responses "
+             "skipped), each scored by every engine.", "",
+             "| engines compared | mean \\|Δlogprob\\| | p50 | p99 | max |", "|---|---|---|---|---|"]
+    for name, stats in pairs.items():
+        gated = " (gated)" if name == "rollout_vs_trainer" else ""
+        lines.append(f"| {name.replace('_', ' ')}{gated} | " + " | ".join(num(stats.get(k)) for k in
+                                                                         ("mean", "p50", "p99", "max")) + " |")
+    gates = [f"{k} {limits[k]:g}" for k in ("mean", "p99", "max") if limits.get(k) is not None]
+    lines += ["", f"Thresholds on rollout vs trainer: {', '.join(gates) or 'none'}."]
+    first = report.get("first_divergence")
+    if first:
+        lines.append(f"First divergence (float32, layer by layer): layer {first['layer']} {first['block']} "
+                     f"(`{first['sub_block']}`), {first['metric']} {first['value']:.3g} > {first['tolerance']:g} "
+                     f"from response position {first['first_position']}.")
+    elif report.get("per_layer"):
+        lines.append("First divergence (float32, layer by layer): none.")
+    else:
+        lines.append("Layer-by-layer localisation: not run here (" +
+                     str(report.get("localisation", {}).get("skipped", "no per-layer data")) + ").")
+    if report.get("failures"):
+        lines += ["", "Failures:", ""] + [f"- {f}" for f in report["failures"]]
+    engines = report.get("engines") or {}
+    if engines:
+        lines += ["", "| engine | what ran |", "|---|---|"] + [f"| {k} | {v} |" for k, v in engines.items()]
+    return "\n".join(lines) + "\n"

@@ -33,7 +33,7 @@ OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold"
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
 NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto",
-                      "rollout_expert_dtype": "fp8"}
+                      "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label"}
 """Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
 EXPERT_DTYPES = ("fp8", "fp4")
 """Routed-expert storage a rollout engine can serve (checkpoints.hf: FP8 128x128 blocks, FP4 E2M1 + UE8M0 1x32)."""
@@ -79,6 +79,10 @@ class TrainRunConfig:
     in events.jsonl and the report; fewer usable rows than prompts_per_step is an error naming the file."""
     eval_data: str = ""
     """Held-out prompt file (the first n_eval usable rows); empty: the synthetic held-out set."""
+    input_key: str = "prompt"
+    """Column of train_data / eval_data holding the prompt (Miles' --input-key), e.g. "question"."""
+    label_key: str = "label"
+    """Column holding the reference answer (Miles' --label-key), e.g. "answer"."""
     max_grader_error_ratio: float = 0.25
     """Fraction of samples per step whose reward function may fail (scored 0, counted in rollout/grader_errors)
     before the run stops with GraderFailed."""
@@ -138,7 +142,8 @@ def _task_data(config: TrainRunConfig, tokenizer, run_dir: Path, log: Callable[[
     for slot, (what, path, needed, keep, setting) in enumerate(files):
         if path:
             loaded = load_data_file(path, encode, base=config.base, max_new_tokens=config.loop.max_new_tokens,
-                                    min_rows=needed, max_rows=keep, what=what, needed_by=f"{setting}={needed}")
+                                    min_rows=needed, max_rows=keep, what=what, needed_by=f"{setting}={needed}",
+                                    input_key=config.input_key, label_key=config.label_key)
             data[2 * slot], data[2 * slot + 1] = loaded.prompt_ids, loaded.labels
             record_dataset(run_dir, what, loaded.report, log)
     return tuple(data)
@@ -150,7 +155,8 @@ def prompt_encoder(tokenizer) -> Callable[[str], list[int]]:
 
 
 def load_data_file(path: str, encode: Callable[[str], list[int]], *, base: str, max_new_tokens: int, min_rows: int,
-                   max_rows: int | None = None, what: str = "dataset", needed_by: str = ""):
+                   max_rows: int | None = None, what: str = "dataset", needed_by: str = "", input_key: str = "prompt",
+                   label_key: str = "label"):
     """A prompt file tokenized for the model in `base`: rows with a bad prompt or label, or a prompt that leaves no
     room for max_new_tokens in the model's context length, are dropped and counted (rl/datasets.py)."""
     from checkpoints.hf import read_config
@@ -158,7 +164,8 @@ def load_data_file(path: str, encode: Callable[[str], list[int]], *, base: str, 
 
     context = read_config(base)[0].max_position_embeddings
     return load_encoded_prompts(path, encode, context_length=context, max_new_tokens=max_new_tokens,
-                                min_rows=min_rows, max_rows=max_rows, what=what, needed_by=needed_by)
+                                min_rows=min_rows, max_rows=max_rows, what=what, needed_by=needed_by,
+                                input_key=input_key, label_key=label_key)
 
 
 def record_dataset(run_dir: Path, what: str, report, log: Callable[[str], None]) -> None:
@@ -216,12 +223,13 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
 
     # The sinks start on their first row, inside the `with` below that closes them (also on failure)
     runlog = RunLog(run_dir, sinks=open_sinks(config.metric_sinks, run_dir, config=config.to_dict()))
-    runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
+    runlog.check_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)  # written once data and reward pass
     last = min(until or config.steps, config.steps)
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer, Path(run_dir), log)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     grader, eval_grader = _graders(config, decode, (prompts[0], labels[0]), (eval_prompts[0], eval_labels[0]), log)
+    runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
     reported_grader_errors: set[str] = set()
     api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),

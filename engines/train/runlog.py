@@ -42,8 +42,9 @@ class RunLog:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.eval_dir = self.dir / "eval"
 
-    def write_config(self, config: dict, *, may_change: tuple[str, ...] = ("steps",)) -> None:
-        """config.json; a resumed run must bring the same config except the `may_change` (operational) fields."""
+    def check_config(self, config: dict, *, may_change: tuple[str, ...] = ("steps",)) -> None:
+        """Refuse (ValueError) a config that differs from the one in config.json outside the `may_change` fields;
+        writes nothing, so a run can check first and write config.json only once its inputs are checked."""
         path = self.dir / "config.json"
         if path.exists():
             old = json.loads(path.read_text())
@@ -51,7 +52,11 @@ class RunLog:
             if changed:
                 raise ValueError(f"{path} holds a different run configuration (fields {changed}); resume with the "
                                  "same settings or choose a new output directory")
-        _atomic_write(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def write_config(self, config: dict, *, may_change: tuple[str, ...] = ("steps",)) -> None:
+        """config.json; a resumed run must bring the same config except the `may_change` (operational) fields."""
+        self.check_config(config, may_change=may_change)
+        _atomic_write(self.dir / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def metrics(self) -> list[dict]:
         if not self.metrics_path.exists():
