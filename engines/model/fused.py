@@ -6,8 +6,8 @@ PyTorch's per-op cost; a prefill attends to every earlier position although only
 entries count. The C kernels compute each chain in one call, in float32 with the same formulas, and multiply
 through one packed-panel GEMM (weights laid out once by `pack`); sums run in another order and exp/cos come
 from libm, so results differ from the torch ops by rounding only. engines/model/fused_model.py runs whole
-forwards and decode steps with them and checks them against the torch ops (within its CHECK_BOUND) before
-first use.
+forwards and decode steps with them; engines/model/fused_check.py judges them once per model config before
+first use (no further from float64 than the torch ops, times its ERROR_FACTOR).
 
 The library is built like kernels.py's (same cache, same atomic write), with -O3 and `-march=native` (the cache
 key then covers the CPU's feature flags; where the compiler refuses it, portable flags), and loaded with
@@ -16,7 +16,8 @@ kernels, `V4RL_FUSED_DECODE=0` only this one; without a compiler, or when the ch
 with one warning.
 
     from engines.model import fused
-    fused.status()     # {"enabled": True, "library": ".../libv4rl_fused-<hash>.so", "error": None, "checked": {...}}
+    fused.status()     # {"enabled": True, "library": ".../libv4rl_fused-<hash>.so", "error": None, "checked": {...},
+                       #  "check_details": {...}}
     .venv/bin/python -m pytest tests/test_kernels.py tests/test_model.py -q
 """
 
@@ -56,7 +57,9 @@ _library = kernels.NativeLibrary(SOURCES, FLAG_SETS, {
     "v4rl_moe": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _P, _P, _P, _F32, _P, _INT]),
 }, HEADERS)
 _checked: dict[str, bool] = {}
-"""Result of fused_decode's check per model shape (its signature string)."""
+"""Verdict of the fused check per model config (fused_model.shape_signature)."""
+_check_details: dict[str, dict[str, Any]] = {}
+"""Its numbers per config (fused_check.CheckResult.details: worst ratio, rows judged, seconds, the problem)."""
 
 
 def enabled() -> bool:
@@ -72,14 +75,18 @@ def library() -> ctypes.CDLL | None:
 def reset() -> None:
     _library.reset()
     _checked.clear()
+    _check_details.clear()
 
 
 def status() -> dict[str, Any]:
-    return {"enabled": enabled(), "library": _library.path, "error": _library.error, "checked": dict(_checked)}
+    return {"enabled": enabled(), "library": _library.path, "error": _library.error, "checked": dict(_checked),
+            "check_details": {k: dict(v) for k, v in _check_details.items()}}
 
 
-def record_check(signature: str, ok: bool) -> None:
+def record_check(signature: str, ok: bool, details: dict[str, Any] | None = None) -> None:
     _checked[signature] = ok
+    if details is not None:
+        _check_details[signature] = details
 
 
 def checked(signature: str) -> bool | None:

@@ -126,9 +126,9 @@ class DeepseekV4(nn.Module):
 
     def _full(self, token_ids: torch.Tensor, keep_cache: bool, trace: list[dict] | None = None,
               all_logits: bool = True):
-        """Whole sequences through the fused kernels (fused_model.py: checked against the torch ops before first
-        use, equal within its CHECK_BOUND) when `fused_kernels` is on and they apply, else the torch ops. A trace
-        needs the torch ops."""
+        """Whole sequences through the fused kernels (fused_model.py: judged once per model config by
+        fused_check.py, equal to the torch ops to float32 rounding) when `fused_kernels` is on and they apply,
+        else the torch ops. A trace needs the torch ops."""
         if self.fused_kernels and trace is None and self.fused.usable():
             return self.fused.full(token_ids, keep_cache, all_logits)
         return self.full_torch(token_ids, keep_cache, trace, all_logits)

@@ -7,8 +7,8 @@ step for every running request (row i of one `DecodeBatch` is `_running[i]`; req
 positions share it). Callers on other threads talk to it only through futures, so HTTP handlers, tests and
 benchmarks never touch the model.
 
-The model runs through the fused native kernels (engines/model/fused_model.py; checked against the torch ops
-before first use, the torch ops where they do not apply), and a prefill projects only its last position to
+The model runs through the fused native kernels (engines/model/fused_model.py; checked once per model config
+at start, engines/model/fused_check.py; the torch ops where they do not apply), and a prefill projects only its last position to
 the vocabulary unless a request asks for prompt logprobs.
 
 Sampling follows SGLang's parameters (temperature, top_p, top_k, max_new_tokens, min_new_tokens,
@@ -113,8 +113,11 @@ class RolloutEngine:
         self.store = WeightStore.from_dir(self.model_dir)
         self.cfg = self.store.cfg
         self.model = prepare_runtime_model(self.cfg, DTYPES[self.config.dtype])
-        self.model.fused_kernels = True  # checked against the torch ops before first use (engines/model/fused_model.py)
+        self.model.fused_kernels = True  # checked once per model config (engines/model/fused_check.py)
         rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz)  # the cold-start path
+        # The fused kernels' check runs here rather than in the first request: once per model config in a process,
+        # on a synthetic model of this shape (fused_check.py), its verdict and seconds in status()'s native_kernels.
+        self.model.fused.usable()
         self.tokenizer = _load_tokenizer(self.model_dir)
         eos = self.cfg.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
