@@ -42,9 +42,10 @@ def stand_in(tmp_path, monkeypatch):
 
     for name, value in install_stand_in(tmp_path / "bin", tmp_path / "calls.jsonl").items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "0.5")  # 15 s of training: evaluations land while it runs
-    for name, fn in replace_cluster_only_steps(pipeline).items():
-        monkeypatch.setattr(pipeline, name, fn)  # restored after the test
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "0.5")  # evaluations land while the job runs
+    for name in ("preflight", "convert", "verify", "align"):
+        monkeypatch.setattr(pipeline, name, getattr(pipeline, name))  # so that the originals come back afterwards
+    replace_cluster_only_steps(pipeline)
     return tmp_path / "calls.jsonl"
 
 
@@ -77,9 +78,12 @@ def _evals(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.json"))
 
 
-def test_one_job_and_its_evaluations_published_while_it_runs(prefect_server, stand_in, tmp_path):  # noqa: F811
+def test_one_job_and_its_evaluations_published_while_it_runs(prefect_server, stand_in, tmp_path,  # noqa: F811
+                                                            monkeypatch):
     from flows.rl_pipeline import rl_pipeline
 
+    # 2 s per rollout: an evaluation every 20 s, above an evaluate subflow's few seconds on a loaded 2-core machine
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "2")
     state = rl_pipeline(cluster_params(tmp_path), return_state=True)
     assert state.is_completed(), state
     calls = read_calls(stand_in)
