@@ -146,7 +146,9 @@ def _flow_run(flow_run_id: str):
         return client.read_flow_run(flow_run_id)
 
 
-def test_cancel_stops_the_ray_job_and_a_later_run_resumes(prefect_server, stand_in, tmp_path):  # noqa: F811
+def test_cancel_stops_the_ray_job_and_a_later_run_resumes(prefect_server, stand_in, tmp_path,  # noqa: F811
+                                                          monkeypatch):
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "3")  # the job still runs (90 s) when the cancel arrives
     pool = f"v4rl-cancel-{uuid.uuid4().hex[:6]}"
     env = {**prefect_server["env"], **{k: os.environ[k] for k in ("PATH", "STAND_IN_CALLS", "STAND_IN_ROLLOUT_S")},
            "PREFECT_LOGGING_LEVEL": "INFO"}
@@ -190,6 +192,7 @@ def test_cancel_stops_the_ray_job_and_a_later_run_resumes(prefect_server, stand_
     # rollout 19's save, so it starts again at 0 and step 0's evaluation is kept, not redone).
     import flows.rl_pipeline as pipeline
 
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "0")
     state = pipeline.rl_pipeline(params, return_state=True)
     assert state.is_completed(), state
     submits = [c for c in read_calls(stand_in) if "submit" in c]
