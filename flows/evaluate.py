@@ -1,7 +1,12 @@
 """The evaluate subflow: held-out pass@1/2/4/8 (unbiased), truncation rate and mean response length of the
-weights at one step, written to <run_dir>/eval/step_XXXXXX.json and shown as a table artifact.
-A step already evaluated is not evaluated again (its JSON is the record). With `cluster` settings Miles
-evaluates (tasks/evaluate.py `miles_eval`): it usually has, in the training job that ended at this step.
+weights at one step, published as a table artifact row and the run's pass@k-over-steps plot (plots/pass_at_k.png,
+also a markdown artifact).
+
+In the rl-pipeline the training engine evaluates itself (the embedded trainer, or Miles on the cluster) and
+writes <run_dir>/eval/step_XXXXXX.json; the flow starts this subflow as soon as that file lands, while training
+goes on, and the subflow publishes it (its JSON is the record: a step already evaluated is not evaluated again).
+Called for a step nobody evaluated, it evaluates `model_dir` itself: the embedded rollout engine over HTTP, or
+with `cluster` settings Miles' eval-only job on the step's checkpoint (tasks/evaluate.py `miles_eval`).
 
     python -c "from flows.evaluate import evaluate; evaluate('runs/x', 'runs/x/weights/current', 10)"
 """
@@ -12,7 +17,7 @@ import json
 from pathlib import Path
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.evaluate import held_out_eval, miles_eval
 
@@ -26,10 +31,10 @@ def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_sampl
     from engines.train.sinks import open_sinks
 
     path = Path(run_dir) / "eval" / f"step_{step:06d}.json"
-    if path.exists():
-        print(f"step {step} already evaluated: {path}")
-        return json.loads(path.read_text())
-    if cluster is not None:  # Miles' record of the step, written by the recorder (its own step key dropped)
+    if path.exists():  # the training engine evaluated it (or an earlier run of this subflow did): publish it
+        print(f"step {step} evaluated by the training engine: {path}")
+        result = {k: v for k, v in json.loads(path.read_text()).items() if k != "step"}
+    elif cluster is not None:  # Miles' record of the step, written by the recorder (its own step key dropped)
         result = {k: v for k, v in miles_eval(cluster, step).items() if k != "step"}
     else:
         result = held_out_eval(model_dir, n_eval=n_eval, n_samples=n_samples, seed=seed, eval_data=eval_data,
@@ -40,5 +45,22 @@ def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_sampl
     create_table_artifact([{"step": step, **{k: round(v, 4) if isinstance(v, float) else v
                                               for k, v in result.items() if not isinstance(v, dict)}}],
                           key=artifact_key, description=f"held-out evaluation at step {step}")
+    _publish_plot(run_dir, step, artifact_key)
     print(f"step {step}: " + ", ".join(f"{k} {result[k]:.3f}" for k in ("pass@1", "pass@8") if k in result))
     return {"step": step, **result}
+
+
+def _publish_plot(run_dir: str, step: int, artifact_key: str | None) -> None:
+    """pass@k over every step evaluated so far: plots/pass_at_k.png, and a markdown artifact embedding it."""
+    import base64
+
+    from engines.report import plot_pass_at_k
+    from engines.train.runlog import RunLog
+
+    plot = plot_pass_at_k(RunLog(run_dir).evals(), Path(run_dir) / "plots" / "pass_at_k.png")
+    if plot is None:
+        return
+    image = base64.b64encode(plot.read_bytes()).decode()
+    create_markdown_artifact(f"## Held-out pass@k up to step {step}\n\n![pass@k](data:image/png;base64,{image})\n",
+                             key=f"{artifact_key}-plot" if artifact_key else None,
+                             description=f"held-out pass@k over steps, up to step {step}")

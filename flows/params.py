@@ -38,7 +38,13 @@ class PipelineParams(BaseModel):
     runs_root: str = Field(str(REPO / "runs"), description="Where run directories live (runs/<run_key>/).")
     hf_checkpoint: str = Field(str(TINY_BASE), description="HF FP8 checkpoint the rollout engine serves.")
     steps: int = Field(20, ge=1, le=100000, description="GRPO steps of the run.")
-    eval_interval: int = Field(10, ge=1, description="Steps per training segment; an evaluation follows each.")
+    eval_interval: int = Field(10, ge=1, description="The training engine evaluates every this many steps (and "
+                                                     "before training and at the last step); each evaluation is "
+                                                     "published as it lands, while training goes on.")
+    save_interval: int | None = Field(None, ge=1, description="Checkpoint every this many steps (and at the last "
+                                                              "step); a retry resumes from the last one. Empty: the "
+                                                              "preset's (cluster presets: Miles' --save-interval, "
+                                                              "20; tiny-cpu: eval_interval).")
     prompts_per_step: int = Field(64, ge=1)
     n_samples: int = Field(8, ge=2, description="Samples per prompt (GRPO group size).")
     n_eval: int = Field(100, ge=1, description="Held-out problems per evaluation.")
@@ -248,8 +254,9 @@ class PipelineParams(BaseModel):
         """The run preset overrides these parameters make on the cluster path (engines.run_presets OVERRIDES)."""
         out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
                      "n_samples_per_prompt": self.n_samples, "eval_interval": self.eval_interval,
-                     "save_interval": self.eval_interval,  # each evaluation has the checkpoint it evaluates
                      "n_samples_per_eval_prompt": self.eval_samples, "lr": self.lr}
+        if self.save_interval:  # else the preset's (MilesSettings.save_interval): one job saves on its own grid
+            out["save_interval"] = self.save_interval
         if self.train_data:
             out["prompt_data"] = self.train_data
         if self.eval_data:

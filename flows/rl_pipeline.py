@@ -1,17 +1,25 @@
 """The rl-pipeline flow, read top to bottom as DESIGN.md's data flow:
 
-    preflight -> convert -> verify -> align -> evaluate(base)
-    for each segment of eval_interval steps:  train (retryable, resumes) -> evaluate -> upload
+    preflight -> convert -> verify -> align
+    train: ONE long-running task (retryable, resumes), the engine evaluating itself every eval_interval steps
+           and checkpointing every save_interval; meanwhile, for each evaluation as it lands:
+           evaluate (subflow: artifact row, pass@k plot) -> upload
     report -> upload
 
 The same body for every preset: the preset picks the engines (engines/backends.py). tiny-cpu trains and
-evaluates with the embedded engines here; a GPU preset runs each segment as a Miles job on the existing Ray
-cluster (which evaluates at the segment's end), aligns with SGLang + Megatron there, and lands its metrics and
-evaluations in the same run directory, report and nightly verdict.
+evaluates with the embedded engines here; a GPU preset runs ONE Miles job for the whole run on the existing Ray
+cluster (Miles evaluates before training and every eval_interval rollouts, saves every --save-interval), aligns
+with SGLang + Megatron there, and lands its metrics and evaluations in the same run directory, report and
+nightly verdict. The training task runs in the flow's thread pool (`.submit`), so the flow's own thread starts
+an evaluate subflow per evaluation as soon as its eval/step_XXXXXX.json lands (engines/train/landed.py): the UI
+shows step 10's pass@k while step 11 trains.
 
 Every step is a Prefect task or subflow: retried where a retry can help, cached across flow runs where the
-work is deterministic (conversion by source identity, finished training segments by run key), so a new flow
-run after a crash skips what is done and resumes training at the last checkpoint.
+work is deterministic (conversion by source identity, a finished training by run key), so a new flow run after
+a crash skips what is done and resumes training at the last checkpoint. Cancelling the flow run stops the
+training: the flow asks it to stop (engines/train/stopping.py), which stops the Miles Ray job (`ray job stop`)
+or kills the embedded trainer's Ray actors, and waits for it; the `on_cancellation` hook stops a Miles job the
+flow process could not (it was killed first). A later run with the same run key resumes.
 
     prefect deployment run 'rl-pipeline/tiny-cpu'          # through deployments/prefect.yaml
     python -m flows.rl_pipeline                             # a local run with the tiny-cpu defaults
@@ -24,35 +32,54 @@ import dataclasses
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact
 
+from engines.train.landed import landed_evaluations
+from engines.train.stopping import clear_stop, request_stop
+
 from flows.evaluate import evaluate
 from flows.params import PipelineParams
-from rl.loop import segment_ends
 from tasks.align import align
 from tasks.checkpoint import convert, verify
 from tasks.preflight import preflight
 from tasks.report import publish_report
-from tasks.train import train_segment
+from tasks.train import train
 from tasks.upload import upload_artifacts
+
+EVAL_POLL_S = 1.0
+"""How often the flow looks for evaluations that landed while training runs."""
+STOP_WAIT_S = 20.0
+"""How long a cancelled flow waits for the training to stop (Prefect's runner SIGKILLs it 30 s after SIGTERM)."""
 
 
 def _train_config(p: PipelineParams) -> dict:
-    """What one training segment runs: the embedded trainer's TrainRunConfig, or the Miles job's settings."""
+    """What the training task runs: the embedded trainer's TrainRunConfig, or the Miles job's settings."""
     cluster = _miles(p)
     if cluster is not None:
         return {"engine": "miles", "cluster": cluster, "steps": p.steps}
     from engines.train.run import TrainRunConfig
     from rl.loop import LoopConfig
 
-    loop = LoopConfig(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=0,
+    loop = LoopConfig(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=p.eval_interval,
                       eval_samples=p.eval_samples, seed=p.seed, dynamic_sampling=False)
-    cfg = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.eval_interval, n_eval=p.n_eval,
+    cfg = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.save_interval or p.eval_interval,
+                         n_eval=p.n_eval,
                          lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
                          train_data=p.train_data, eval_data=p.eval_data, input_key=p.input_key, label_key=p.label_key,
                          max_grader_error_ratio=p.max_grader_error_ratio, reward=p.reward, eval_reward=p.eval_reward)
     return dataclasses.asdict(cfg)
 
 
-@flow(name="rl-pipeline", log_prints=True)
+def _stop_what_the_run_started(flow, flow_run, state) -> None:
+    """on_cancellation hook (run by Prefect's runner after it killed the flow process): `ray job stop` the Miles
+    job the run's training task left running, if the flow process did not get to stop it."""
+    from engines.train.miles.pipeline import stop_live_job
+
+    params = PipelineParams.model_validate((flow_run.parameters or {}).get("params") or {})
+    stopped = stop_live_job(params.run_dir)
+    if stopped:
+        print(f"cancelled: stopped Ray job {stopped} of run {params.run_key}")
+
+
+@flow(name="rl-pipeline", log_prints=True, on_cancellation=[_stop_what_the_run_started])
 def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log = get_run_logger()
     key, run_dir = params.run_key, params.run_dir
@@ -71,17 +98,21 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
                       prompts=params.align_prompts, threshold=params.align_threshold, artifact_key=f"{artifact}-align",
                       cluster=cluster)
-    evaluate(str(run_dir), params.hf_checkpoint, 0, params.n_eval, params.eval_samples, params.seed,
-             artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks), cluster=cluster,
-             **_eval_data(params))
     progress = create_progress_artifact(0.0, key=f"{artifact}-training", description=f"GRPO steps of {key}")
     uploaded: dict = {}
-    for until in segment_ends(params.steps, params.eval_interval):
-        train_segment(str(run_dir), _train_config(params), until, params.training_fingerprint(), progress)
-        evaluate(str(run_dir), str(run_dir / "weights" / "current"), until, params.n_eval, params.eval_samples,
-                 params.seed, artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks),
-                 cluster=cluster, **_eval_data(params))
-        uploaded = upload_artifacts(str(run_dir), **store)
+    clear_stop(run_dir)
+    training = train.submit(str(run_dir), _train_config(params), params.training_fingerprint(), progress)
+    try:
+        for step in landed_evaluations(run_dir, done=lambda timeout: _finished(training, timeout), poll_s=EVAL_POLL_S):
+            evaluate(str(run_dir), str(run_dir / "weights" / "current"), step, params.n_eval, params.eval_samples,
+                     params.seed, artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks),
+                     cluster=cluster, **_eval_data(params))
+            uploaded = upload_artifacts(str(run_dir), **store)
+    except BaseException as exc:  # cancelled (Prefect's TerminationSignal), interrupted, or a failed subflow
+        request_stop(run_dir, f"the flow run ended ({type(exc).__name__}) while training ran")
+        training.wait(STOP_WAIT_S)
+        raise
+    training.result()  # a failed training (after its retries) fails the flow here
     report = publish_report(str(run_dir), key=f"{artifact}-report", title=f"rl-pipeline {key}",
                             extra_markdown=_alignment_markdown(alignment), links=_links(uploaded))
     uploaded = upload_artifacts(str(run_dir), **store)
@@ -101,6 +132,12 @@ def _miles(p: PipelineParams) -> dict | None:
     return {"preset": p.preset, "site": dataclasses.asdict(site), "job": dataclasses.asdict(job),
             "overrides": p.miles_overrides(), "miles_dir": p.miles_check_dir, "megatron_dir": p.megatron_check_dir,
             "run_dir": str(p.run_dir), "eval_interval": p.eval_interval, "align_sglang_url": p.align_sglang_url}
+
+
+def _finished(training, timeout: float) -> bool:
+    """Wait up to `timeout` s for the training task; True once it has ended (in any state)."""
+    training.wait(timeout)
+    return training.wrapped_future.done()
 
 
 def _eval_data(p: PipelineParams) -> dict:

@@ -98,12 +98,6 @@ def should_run(step: int, interval: int, last_step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == last_step)
 
 
-def segment_ends(steps: int, interval: int) -> list[int]:
-    """[interval, 2*interval, ..., steps]: each training segment ends where an evaluation happens."""
-    ends = list(range(interval, steps + 1, interval))
-    return ends if ends and ends[-1] == steps else ends + [steps]
-
-
 def grade_groups(groups: list[Group], decode: Callable[[list[int]], str],
                  reward_fn: Callable[[str, str], float] | None = None, *, grader: Grader | None = None,
                  where: str = "grading") -> GradingResult:

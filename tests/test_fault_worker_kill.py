@@ -1,8 +1,7 @@
 """kill -9 of the Prefect worker and its flow run in the middle of training (issue 8), recovered the way an
 operator would: the zombie automation (flows/automations.py) marks the dead flow run Crashed, which frees the
 deployment's concurrency slot; a new worker picks up a new flow run of the same run key, which finds the
-conversion and the finished training segment in Prefect's cache and resumes training at the step after the
-last checkpoint. Everything is real: a Prefect server on 127.0.0.1 (tests/prefect_server.py), the work pool
+conversion in Prefect's cache and whose one training task resumes at the step after the last checkpoint. Everything is real: a Prefect server on 127.0.0.1 (tests/prefect_server.py), the work pool
 and deployment from deployments/prefect.yaml, `prefect deployment run`, `prefect worker start`.
 
 Prefect 3.9's process worker starts each flow run in its own session, so a kill of the worker's process group
@@ -201,8 +200,8 @@ def test_worker_killed_mid_training_run_is_crashed_then_resumed(prefect_server, 
     first = second = None
     flow_runs: list[str] = []
     try:
-        # 1. A flow run on a worker, killed with its worker once step 3 (segment 2) is logged: checkpoint 2 is
-        #    committed, step 3 is not, step 4 is in progress.
+        # 1. A flow run on a worker, killed with its worker once step 3 is logged: checkpoint 2 is committed
+        #    (save_interval = eval_interval = 2), step 3 is not, step 4 is in progress.
         first = _Worker(env, tmp_path / "worker-1.log")
         dead_id = _run_deployment(env, params)
         flow_runs.append(dead_id)
@@ -229,12 +228,12 @@ def test_worker_killed_mid_training_run_is_crashed_then_resumed(prefect_server, 
         assert new.state.is_completed(), f"{new.state}\n{second.output()}"
         assert new.start_time >= dead.state.timestamp, (new.start_time, dead.state.timestamp)  # waited for the slot
 
-        # 3. What the new run did: conversion and segment 1 from the cache, segment 2 resumed after step 2.
+        # 3. What the new run did: conversion from the cache, its one training task resumed after step 2.
         tasks = [(t.name.rsplit("-", 1)[0], t.state.name, t.id) for t in _task_runs(new_id)]
         assert [s for name, s, _ in tasks if name == "convert"] == ["Cached"], tasks
-        segments = [(s, i) for name, s, i in tasks if name == "train-segment"]
-        assert [s for s, _ in segments] == ["Cached", "Completed"], tasks  # until step 2, until step 4
-        lines = _log_lines(segments[1][1])
+        trains = [(s, i) for name, s, i in tasks if name == "train"]
+        assert [s for s, _ in trains] == ["Completed"], tasks
+        lines = _log_lines(trains[0][1])
         assert any("resuming at step 3 (checkpoint step 2; dropped 1 metric rows past it)" in m for m in lines), lines
         assert _steps(run_dir) == list(range(1, STEPS + 1))  # each step once, none lost, none twice
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

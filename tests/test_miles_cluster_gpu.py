@@ -7,9 +7,9 @@ HF FP8 checkpoint on shared storage, and says which variables it reads; without 
     V4RL_SOCKET_IFNAME=eth0 V4RL_IB_HCA=rdma0,rdma1 V4RL_ALIGN_SGLANG_URL=http://10.0.0.3:30000 \
     .venv/bin/python -m pytest tests/test_miles_cluster_gpu.py -m gpu -q
 
-What they check: a 2-rollout segment trains and saves; a job killed after its first saved rollout is resumed
-by the next segment at the right rollout, each step in metrics.jsonl once; Miles' eval-only job evaluates
-step 0 into eval/step_000000.json; the alignment gate's SGLang batch is rescored by Megatron through Miles'
+What they check: a job killed early (idle timeout 1 s, its Ray job stopped) is resubmitted as the run's one
+job, which resumes where the save directory says, evaluates itself (steps 0, 2, 4) and saves every 2 rollouts,
+each step in metrics.jsonl once; Miles' eval-only job evaluates step 0 into eval/step_000000.json; the alignment gate's SGLang batch is rescored by Megatron through Miles'
 train-only debug run and passes the seed's threshold (0.09 mean |Δlogprob|).
 """
 
@@ -42,7 +42,7 @@ def cluster():
     params = PipelineParams.preset_defaults(
         os.environ.get("V4RL_GPU_PRESET", "dsv4-flash-mi355x"), run_key=f"gpu-test-{int(time.time())}",
         runs_root=os.environ["V4RL_GPU_RUNS_ROOT"], hf_checkpoint=os.environ["V4RL_HF_CHECKPOINT"], steps=4,
-        eval_interval=2, ray_address=os.environ["RAY_ADDRESS"], master_addr=os.environ["MASTER_ADDR"],
+        eval_interval=2, save_interval=2, ray_address=os.environ["RAY_ADDRESS"], master_addr=os.environ["MASTER_ADDR"],
         socket_ifname=os.environ["V4RL_SOCKET_IFNAME"], ib_hca=os.environ["V4RL_IB_HCA"],
         align_sglang_url=os.environ.get("V4RL_ALIGN_SGLANG_URL"), **paths)
     run = ClusterRun.from_miles(_miles(params))
@@ -54,19 +54,21 @@ def _steps(run_dir: str) -> list[int]:
     return [json.loads(x)["step"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_segments_resume_after_a_killed_job_on_the_cluster(cluster):
+def test_one_job_resumes_after_a_killed_job_on_the_cluster(cluster):
     from engines.train.miles import MilesTimeout, find_resume
-    from engines.train.miles.pipeline import evaluate_step, train_segment
+    from engines.train.miles.pipeline import evaluate_step, train_run
 
-    assert "pass@1" in evaluate_step(cluster, 0)  # Miles' eval-only job on --ref-load
-    assert train_segment(cluster, 2)["steps"] == [1, 2]
-    assert find_resume(cluster.job.save_dir).start_rollout_id == 2
     impatient = dataclasses.replace(cluster, idle_timeout_s=1.0)
-    with pytest.raises(MilesTimeout):  # killed (and its Ray job stopped) long before rollout 3 is saved
-        train_segment(impatient, 4)
-    summary = train_segment(cluster, 4)
-    assert summary["resumed_from"] == 2 and _steps(cluster.run_dir) == [1, 2, 3, 4]
+    with pytest.raises(MilesTimeout):  # killed (and its Ray job stopped) long before rollout 4 is saved
+        train_run(impatient, 4)
+    summary = train_run(cluster, 4)  # the task's retry: one job for the rest of the run
+    assert summary["resumed_from"] in (0, 2) and find_resume(cluster.job.save_dir).start_rollout_id == 4
+    assert _steps(cluster.run_dir) == [1, 2, 3, 4]
+    evals = sorted(int(p.stem.split("_")[1]) for p in (Path(cluster.run_dir) / "eval").glob("step_*.json"))
+    assert evals == [0, 2, 4]
     assert json.loads((Path(cluster.run_dir) / "eval" / "step_000004.json").read_text())["dataset"]
+    (Path(cluster.run_dir) / "eval" / "step_000000.json").unlink()
+    assert "pass@1" in evaluate_step(cluster, 0)  # Miles' eval-only job on --ref-load
 
 
 def test_alignment_gate_with_sglang_and_megatron(cluster):

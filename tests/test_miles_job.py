@@ -315,11 +315,13 @@ def test_pipeline_parameters_become_the_miles_job(tmp_path):
     p = PipelineParams.preset_defaults("dsv4-flash-mi355x", runs_root=str(tmp_path), steps=40, eval_interval=5,
                                        ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1")
     assert p.miles_overrides() == {"num_rollout": 40, "rollout_batch_size": 32, "n_samples_per_prompt": 8,
-                                   "eval_interval": 5, "save_interval": 5, "n_samples_per_eval_prompt": 8, "lr": 1e-6}
+                                   "eval_interval": 5, "n_samples_per_eval_prompt": 8, "lr": 1e-6}
     job = p.miles_job()
     assert (job.ref_load, job.save_dir) == (str(p.run_dir / "torch_dist"), str(p.run_dir / "miles-checkpoints"))
     flags = build_command(resolve(p.preset, p.miles_overrides())[0], job, site=p.site()).flag_values()
-    assert flags["--num-rollout"] == ["40"] and flags["--save-interval"] == ["5"] and flags["--eval-interval"] == ["5"]
+    # one job per run: it saves on the preset's grid (20), not at every evaluation
+    assert flags["--num-rollout"] == ["40"] and flags["--save-interval"] == ["20"] and flags["--eval-interval"] == ["5"]
+    assert p.model_copy(update={"save_interval": 10}).miles_overrides()["save_interval"] == 10
     miles = {"site": dataclasses.asdict(p.site()), "job": dataclasses.asdict(job), "overrides": p.miles_overrides()}
     with disable_run_logger(), pytest.raises(SiteError, match="(?s)socket_ifname.*ib_hca"):  # before Miles is asked
         preflight.fn(p.preset, miles=miles)

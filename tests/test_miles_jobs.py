@@ -1,5 +1,5 @@
-"""The Miles jobs v4rl derives from the training job's argv (engines/train/miles/jobs.py): a training segment,
-Miles' eval-only run, and the cluster alignment gate's train-only debug run. Miles' parse_args on these argvs
+"""The Miles jobs v4rl derives from the training job's argv (engines/train/miles/jobs.py): the run's one
+training job, Miles' eval-only run, and the cluster alignment gate's train-only debug run. Miles' parse_args on these argvs
 is the preflight's conformance check; here the token edits. NUM_GPUS = 0; well under a second.
 
     .venv/bin/python -m pytest tests/test_miles_jobs.py -q
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, segment_argv, with_flags, without_flags
+from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, run_argv, with_flags, without_flags
 
 TRAIN = ["--actor-num-nodes", "2", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
          "--num-rollout", "200", "--num-steps-per-rollout", "1", "--use-rollout-routing-replay", "--use-tis",
@@ -30,11 +30,14 @@ def test_flag_edits_keep_values_and_negative_numbers():
     assert "--use-tis" not in out
 
 
-def test_segment_eval_only_and_align_jobs():
-    seg = segment_argv(TRAIN, until=20, eval_interval=5)
-    assert flag_values(seg, "--num-rollout") == ["20"] and flag_values(seg, "--skip-eval-before-train") == []
-    assert flag_values(seg, "--load") == ["/save"] and flag_values(seg, "--eval-interval") == ["5"]
-    assert flag_values(seg, "--log-passrate") == []  # pass@k is logged only with it
+def test_run_eval_only_and_align_jobs():
+    run = run_argv(TRAIN, steps=30, eval_interval=5, save_interval=20)
+    assert flag_values(run, "--num-rollout") == ["30"] and flag_values(run, "--skip-eval-before-train") is None
+    assert flag_values(run, "--load") == ["/save"] and flag_values(run, "--eval-interval") == ["5"]
+    assert flag_values(run, "--save-interval") == ["20"] and run.count("--save-interval") == 1
+    assert flag_values(run, "--log-passrate") == []  # pass@k is logged only with it
+    resumed = run_argv(TRAIN, steps=30, evaluate_first=False)  # the resume point was evaluated before the failure
+    assert flag_values(resumed, "--skip-eval-before-train") == [] and flag_values(resumed, "--save-interval") == ["10"]
 
     base = eval_only_argv(TRAIN)  # step 0: Miles falls back to --ref-load
     assert flag_values(base, "--num-rollout") == ["0"] and flag_values(base, "--load") is None
@@ -59,9 +62,11 @@ def test_segment_eval_only_and_align_jobs():
 
 def test_jobs_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="--num-rollout"):
-        segment_argv(TRAIN, until=0)
+        run_argv(TRAIN, steps=0)
     with pytest.raises(ValueError, match="no --save/--load"):
-        segment_argv(without_flags(TRAIN, ["--save"]), until=10)
+        run_argv(without_flags(TRAIN, ["--save"]), steps=10)
+    with pytest.raises(ValueError, match="--save-interval"):
+        run_argv(TRAIN, steps=10, save_interval=0)
     with pytest.raises(ValueError, match="no --eval-prompt-data"):
         eval_only_argv(without_flags(TRAIN, ["--eval-prompt-data"]))
     with pytest.raises(ValueError, match="both checkpoint_dir and iteration"):

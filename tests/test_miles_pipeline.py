@@ -1,146 +1,165 @@
-"""The cluster path's pipeline steps (engines/train/miles/pipeline.py) wired end to end on CPU from the flow's
-parameters (flows/rl_pipeline.py `_miles`): the real job builder (prepare_job, submit_argv), the derived jobs,
-the runner and the recorder, against a stand-in for
-`ray job submit` that behaves as Miles' train.py does at the file level (start at the tracker's iteration + 1
-or 0 without one, save every --save-interval and at the last rollout with the data cursor, evaluate before
-training unless skipped and every --eval-interval, `--num-rollout 0` = evaluate once) and prints Miles' log
-lines (tests/test_miles_readback.py). It checks v4rl's side: segments resume without training a step twice,
-a killed job is retried from its checkpoint, step 0 is Miles' eval-only job on --ref-load, and the run
-directory is the tiny-cpu one. It does not check Miles (tests/conformance/ and the `gpu` test do).
-NUM_GPUS = 0; about 50 s (each stand-in job is a Python process).
+"""The cluster path's training (engines/train/miles/pipeline.py `train_run`) wired end to end on CPU from the flow's
+parameters (flows/rl_pipeline.py `_miles`): the real job builder (prepare_job, submit_argv), the derived job, the
+runner and the recorder, against the file-level stand-in for `ray job submit` (tests/cluster_stand_in.py: it
+behaves as Miles' train.py does: start at the tracker + 1, evaluate before training and every --eval-interval,
+save every --save-interval and at the end with the data cursor) printing Miles' own log lines. It checks v4rl's
+side: ONE job trains the run and evaluates itself, a killed job is resubmitted from its last complete checkpoint
+with the records past it dropped, a load that skips a parameter fails at once naming it, a silent job is killed
+and its Ray job stopped, a stop request stops the Ray job. Miles itself is checked by tests/conformance/ and the
+`gpu` test. NUM_GPUS = 0; about 60 s on a loaded 2-core machine (each stand-in job imports torch).
 
     .venv/bin/python -m pytest tests/test_miles_pipeline.py -q
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import stat
-import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from engines.site import Site
-from engines.train.miles import MilesJob, MilesRunError
-from engines.train.miles.pipeline import ClusterRun, evaluate_step, train_segment
-
-REPO = Path(__file__).resolve().parent.parent
-
-STAND_IN = r'''
-import json, os, sys
-sys.path.insert(0, {repo!r})
+from engines.train.miles import MilesRunError
+from engines.train.miles.checkpoints import list_checkpoints
 from engines.train.miles.jobs import flag_values
-from tests.test_miles_readback import eval_line, rollout_side_perf, save_rollout, trainer_lines
-
-argv = sys.argv[sys.argv.index("--") + 3:]  # after `-- python3 <miles>/train.py`
-with open(os.environ["STAND_IN_CALLS"], "a") as calls:
-    calls.write(json.dumps({{"submit": sys.argv[1:sys.argv.index("--")], "argv": argv}}) + "\n")
-one = lambda flag, default=None: (flag_values(argv, flag) or [default])[0]
-print("Job 'raysubmit_%d' submitted successfully" % os.getpid(), flush=True)
-n, load, save = int(one("--num-rollout")), one("--load"), one("--save")
-tracker = os.path.join(load, "latest_checkpointed_iteration.txt") if load else None
-start = int(open(tracker).read()) + 1 if tracker and os.path.exists(tracker) else 0
-evals = int(one("--eval-interval", 0))
-def accuracy(step):  # pass@1 of the weights after `step` rollouts
-    return [1] * (1 + step // 2) + [0] * (7 - step // 2)
-if n == 0:
-    loaded = int(one("--ref-ckpt-step", -1)) + 1
-    print(eval_line(0, {{"aime": accuracy(loaded) * 3}}, group=8), flush=True)
-    sys.exit(0)
-if evals and flag_values(argv, "--skip-eval-before-train") is None:
-    print(eval_line(start, {{"aime": accuracy(start) * 3}}, group=8), flush=True)
-for r in range(start, n):
-    for line in [rollout_side_perf(r, 0.1 * r), *trainer_lines(r, 0.1 * r, 0.005)]:
-        print(line, flush=True)
-    if os.environ.get("STAND_IN_DIE_AFTER") == str(r):
-        sys.exit(7)  # killed after training r, before its save
-    if r == n - 1 or (r + 1) % int(one("--save-interval")) == 0:
-        save_rollout(__import__("pathlib").Path(save), r)
-    if evals and (r + 1) % evals == 0:
-        print(eval_line(r, {{"aime": accuracy(r + 1) * 3}}, group=8), flush=True)
-'''
+from engines.train.miles.pipeline import LIVE_JOB, ClusterRun, evaluate_step, train_run
+from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls
 
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch) -> ClusterRun:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    ray = bin_dir / "ray"
-    ray.write_text(f"#!{sys.executable}\n" + STAND_IN.format(repo=str(REPO)))
-    ray.chmod(ray.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("STAND_IN_CALLS", str(tmp_path / "calls.jsonl"))
-    data = tmp_path / "data" / "aime-2024"
-    data.mkdir(parents=True)
-    (data / "aime-2024.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "label": str(i)}) + "\n"
-                                                  for i in range(3)))
-    from flows.params import PipelineParams
+    for name, value in install_stand_in(tmp_path / "bin", tmp_path / "calls.jsonl").items():
+        monkeypatch.setenv(name, value)
     from flows.rl_pipeline import _miles
 
-    params = PipelineParams.preset_defaults(
-        "dsv4-flash-mi355x", run_key="cluster-run", runs_root=str(tmp_path / "runs"), steps=4, eval_interval=2,
-        ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="eth0", ib_hca="rdma0",
-        miles_dir=str(tmp_path / "miles"), data_dir=str(tmp_path / "data"))
-    return ClusterRun.from_miles(_miles(params))  # what the flow hands its tasks
+    return ClusterRun.from_miles(_miles(cluster_params(tmp_path)))  # what the flow hands its tasks
 
 
-def _calls(tmp_path: Path) -> list[dict]:
-    return [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+def _submits(tmp_path: Path) -> list[dict]:
+    return [c for c in read_calls(tmp_path / "calls.jsonl") if "submit" in c]
 
 
-def test_segments_resume_and_step_zero_is_miles_eval_only_job(cluster, tmp_path, monkeypatch):
-    from engines.report import write_report
-    from engines.train.miles.jobs import flag_values
+def _rows(run: ClusterRun) -> list[dict]:
+    return [json.loads(x) for x in (Path(run.run_dir) / "metrics.jsonl").read_text().splitlines()]
 
-    run_dir = Path(cluster.run_dir)
-    assert evaluate_step(cluster, 0)["pass@1"] == pytest.approx(1 / 8)
-    first = _calls(tmp_path)[0]
-    assert first["submit"][:2] == ["job", "submit"] and "--runtime-env-json" in first["submit"]
-    assert flag_values(first["argv"], "--num-rollout") == ["0"] and flag_values(first["argv"], "--load") is None
-    assert flag_values(first["argv"], "--ref-load") == [str(tmp_path / "runs" / "cluster-run" / "torch_dist")]
 
-    assert train_segment(cluster, 2)["steps"] == [1, 2]
-    monkeypatch.setenv("STAND_IN_DIE_AFTER", "2")
-    with pytest.raises(MilesRunError, match="exited with code 7"):
-        train_segment(cluster, 4)  # killed after training rollout 2; its step was committed, not saved
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+def _evals(run: ClusterRun) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (Path(run.run_dir) / "eval").glob("step_*.json"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_one_job_trains_the_run_evaluating_and_saving_itself(cluster, tmp_path):
+    summary = train_run(cluster, 30)
+    submits = _submits(tmp_path)
+    assert len(submits) == 1, submits  # one job for 30 rollouts, step 0's evaluation included
+    argv = submits[0]["argv"]
+    assert submits[0]["submit"][:2] == ["job", "submit"] and "--runtime-env-json" in submits[0]["submit"]
+    assert (flag_values(argv, "--num-rollout"), flag_values(argv, "--eval-interval"),
+            flag_values(argv, "--save-interval")) == (["30"], ["10"], ["20"])  # the preset's save grid, not eval's
+    assert flag_values(argv, "--skip-eval-before-train") is None and flag_values(argv, "--log-passrate") == []
+    assert summary["evaluated"] == [0, 10, 20, 30] and summary["steps"] == list(range(1, 31))
+    assert [c.iteration for c in list_checkpoints(cluster.job.save_dir) if c.complete] == [19, 29]
+    assert [r["step"] for r in _rows(cluster)] == list(range(1, 31))
+    assert not (Path(cluster.run_dir) / LIVE_JOB).exists()  # the live-job record goes when the job ends
+    assert train_run(cluster, 30)["skipped"] and len(_submits(tmp_path)) == 1  # a finished run is not resubmitted
+
+
+def test_killed_job_is_resubmitted_from_the_last_checkpoint_records_once(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAND_IN_DIE_AFTER", "25")
+    with pytest.raises(MilesRunError, match="exited with code 7") as failed:
+        train_run(cluster, 30)  # killed after training rollout 25; the last save was rollout 19
+    assert failed.value.retryable
+    assert [r["step"] for r in _rows(cluster)] == list(range(1, 27)) and _evals(cluster) == [0, 10, 20]
     monkeypatch.delenv("STAND_IN_DIE_AFTER")
-    retried = train_segment(cluster, 4)  # the task's retry: resumes from iter_0000001
-    assert (retried["resumed_from"], retried["steps"], retried["evaluated"]) == (2, [3, 4], [4])
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once
-    assert [round(r["rollout/raw_reward"], 1) for r in rows] == [0.0, 0.1, 0.2, 0.3]
-
-    segments = [c["argv"] for c in _calls(tmp_path)[1:]]
-    assert [flag_values(a, "--num-rollout") for a in segments] == [["2"], ["4"], ["4"]]
-    assert all(flag_values(a, "--skip-eval-before-train") == [] and flag_values(a, "--log-passrate") == []
-               for a in segments)
-    assert train_segment(cluster, 4)["skipped"]  # a segment already saved is not submitted again
-    assert len(_calls(tmp_path)) == 4
-
-    assert evaluate_step(cluster, 4)["pass@1"] == pytest.approx(3 / 8)  # Miles' own record: no job
-    assert len(_calls(tmp_path)) == 4
-    (run_dir / "eval" / "step_000002.json").unlink()  # lost: Miles' eval-only job on iter_0000001
-    assert evaluate_step(cluster, 2)["pass@1"] == pytest.approx(2 / 8)
-    last = _calls(tmp_path)[-1]["argv"]
-    assert flag_values(last, "--ref-load") == [cluster.job.save_dir] and flag_values(last, "--ref-ckpt-step") == ["1"]
-    evals = [json.loads(p.read_text()) for p in sorted((run_dir / "eval").iterdir())]
-    assert [(e["step"], e["n_problems"], e["n_samples"]) for e in evals] == [(0, 3, 8), (2, 3, 8), (4, 3, 8)]
-    summary = write_report(run_dir, title="cluster")["summary"]
-    assert (summary["steps"], summary["pass@1_first"]) == (4, 1 / 8) and summary["pass@1_last"] == pytest.approx(3 / 8)
+    retried = train_run(cluster, 30)  # the task's retry
+    first, second = _submits(tmp_path)
+    assert second["start"] == 20 and retried["resumed_from"] == 20  # iteration 19 saved: tracker + 1
+    assert flag_values(second["argv"], "--skip-eval-before-train") == []  # step 20 was evaluated before the kill
+    assert retried["steps"] == list(range(21, 31)) and retried["evaluated"] == [30]
+    rows = _rows(cluster)
+    assert [r["step"] for r in rows] == list(range(1, 31))  # each rollout once: 21..26 of the dead job dropped
+    assert [round(r["rollout/raw_reward"], 2) for r in rows] == [round(0.01 * r, 2) for r in range(30)]
+    assert _evals(cluster) == [0, 10, 20, 30]
+    evals = [json.loads(p.read_text()) for p in sorted((Path(cluster.run_dir) / "eval").iterdir())]
+    assert [(e["step"], round(e["pass@1"], 6), e["n_problems"], e["n_samples"]) for e in evals] == [
+        (0, 1 / 8, 3, 8), (10, 2 / 8, 3, 8), (20, 3 / 8, 3, 8), (30, 4 / 8, 3, 8)]
 
 
-def test_cluster_steps_refuse_what_they_cannot_do(cluster, tmp_path):
-    import dataclasses
+def test_load_that_skips_a_parameter_fails_at_once_naming_it(cluster, tmp_path, monkeypatch):
+    from engines.train.miles.runner import MilesLoadSkipped
 
+    monkeypatch.setenv("STAND_IN_SKIP_KEY", "decoder.layers.3.self_attention.wq_a.weight")
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "5")  # the job would run for minutes
+    t0 = time.monotonic()
+    with pytest.raises(MilesLoadSkipped, match=r"skipped 'decoder\.layers\.3\.self_attention\.wq_a\.weight'") as e:
+        train_run(cluster, 30)
+    assert time.monotonic() - t0 < 60 and not e.value.retryable
+    calls = read_calls(tmp_path / "calls.jsonl")
+    assert [c["stop"] for c in calls if "stop" in c] == [f"raysubmit_{_submits(tmp_path)[0]['pid']}"]
+    assert not _alive(_submits(tmp_path)[0]["pid"])
+
+
+def test_silent_job_is_killed_after_the_idle_timeout_and_its_ray_job_stopped(cluster, tmp_path, monkeypatch):
+    from engines.train.miles.runner import MilesTimeout
+
+    monkeypatch.setenv("STAND_IN_HANG_AT", "3")
+    with pytest.raises(MilesTimeout, match="printed nothing for 40s") as e:  # above the stand-in's imports, loaded
+        train_run(dataclasses.replace(cluster, idle_timeout_s=40.0), 30)
+    assert e.value.retryable  # a stalled collective: the retry resubmits from the last checkpoint
+    pid = _submits(tmp_path)[0]["pid"]
+    assert [c["stop"] for c in read_calls(tmp_path / "calls.jsonl") if "stop" in c] == [f"raysubmit_{pid}"]
+    assert not _alive(pid)
+
+
+def test_stop_request_stops_the_ray_job(cluster, tmp_path, monkeypatch):
+    from engines.train.miles.runner import MilesStopped
+    from engines.train.stopping import StopRequest
+
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "0.5")
+    stop, raised = StopRequest(), []
+
+    def training() -> None:
+        try:
+            train_run(cluster, 30, stop=stop)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            raised.append(exc)
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while 10 not in (_evals(cluster) if (Path(cluster.run_dir) / "eval").exists() else []):
+        assert time.monotonic() < deadline and thread.is_alive(), "evaluation 10 never landed"
+        time.sleep(0.2)
+    assert (Path(cluster.run_dir) / LIVE_JOB).exists()  # the cancel hook's record of the live job
+    stop.request("the flow run was cancelled")
+    thread.join(60)
+    assert not thread.is_alive() and isinstance(raised[0], MilesStopped) and not raised[0].retryable
+    pid = _submits(tmp_path)[0]["pid"]
+    assert [c["stop"] for c in read_calls(tmp_path / "calls.jsonl") if "stop" in c] == [f"raysubmit_{pid}"]
+    assert not _alive(pid) and not (Path(cluster.run_dir) / LIVE_JOB).exists()
+
+
+def test_step_zero_by_miles_eval_only_job_and_what_cannot_run(cluster, tmp_path):
     from engines.site import SiteError
     from engines.train.miles import MilesResultsError
 
+    assert evaluate_step(cluster, 0)["pass@1"] == pytest.approx(1 / 8)  # a user's evaluation outside a run
+    first = _submits(tmp_path)[0]["argv"]
+    assert flag_values(first, "--num-rollout") == ["0"] and flag_values(first, "--load") is None
+    assert flag_values(first, "--ref-load") == [str(tmp_path / "runs" / "cluster-run" / "torch_dist")]
     with pytest.raises(MilesResultsError, match="iter_0000005 is not in"):
         evaluate_step(cluster, 6)  # no evaluation, no checkpoint: nothing to evaluate
-    no_site = dataclasses.replace(cluster, site=Site())
     with pytest.raises(SiteError, match="ray_address"):
-        train_segment(no_site, 2)
-    assert not (tmp_path / "calls.jsonl").exists()  # nothing was submitted
+        train_run(dataclasses.replace(cluster, site=Site()), 2)
+    assert len(_submits(tmp_path)) == 1  # nothing more was submitted
+    assert os.environ["STAND_IN_CALLS"] == str(tmp_path / "calls.jsonl")

@@ -1,6 +1,7 @@
 """A new rl-pipeline flow run for the same run key skips what is done: the conversion is a cache hit (keyed by
-the source checkpoint's identity, not the run id), and training resumes at the right step. Flows run in
-this process against a real Prefect server on 127.0.0.1.
+the source checkpoint's identity, not the run id), and training resumes at the right step. The run has ONE
+training task, and the evaluate subflows of the evaluations it makes start while it runs. Flows run in this
+process against a real Prefect server on 127.0.0.1.
 
     .venv/bin/python -m pytest tests/test_pipeline_resume.py -q
 """
@@ -10,6 +11,18 @@ from __future__ import annotations
 import json
 
 from tests.prefect_server import prefect_server  # noqa: F401
+
+
+def _runs(flow_run_id) -> tuple[list, list]:
+    """(task runs, subflow runs) of a flow run."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    return tasks, subflows
 
 
 def _task_states(flow_run_id) -> dict[str, str]:
@@ -26,12 +39,18 @@ def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_
     from flows.rl_pipeline import rl_pipeline
 
     small = dict(run_key="resume", runs_root=str(tmp_path / "runs"), hf_checkpoint=str(tiny_base), steps=2,
-                 eval_interval=2, prompts_per_step=4, n_samples=4, n_eval=8, eval_samples=4, align_prompts=2,
+                 eval_interval=1, prompts_per_step=4, n_samples=4, n_eval=8, eval_samples=4, align_prompts=2,
                  use_ray=False)
     first = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **small), return_state=True)
     assert first.is_completed(), first
     states = _task_states(first.state_details.flow_run_id)
     assert any(n.startswith("convert") and s == "Completed" for n, s in states.items()), states
+    tasks, subflows = _runs(first.state_details.flow_run_id)
+    trains = [t for t in tasks if t.name.rsplit("-", 1)[0] == "train"]
+    assert len(trains) == 1, [t.name for t in tasks]  # one training task for the run
+    evaluations = sorted((f.parameters["step"], f.start_time) for f in subflows if "step" in (f.parameters or {}))
+    assert [step for step, _ in evaluations] == [0, 1, 2], evaluations  # the trainer's evaluations, each published
+    assert all(start < trains[0].end_time for step, start in evaluations if step < 2), (evaluations, trains[0])
 
     # Crash-like restart with more steps: a brand-new flow run, same run key.
     second = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **{**small, "steps": 3}), return_state=True)

@@ -7,7 +7,6 @@ and alignment over threshold or a rising logprob difference fail on their own.
 
 from __future__ import annotations
 
-from rl.loop import segment_ends
 from rl.verdict import nightly_verdict, same_preset
 
 HISTORY = [{"pass@1": p} for p in (0.31, 0.29, 0.30, 0.32, 0.30)]
@@ -57,11 +56,6 @@ def test_missing_evaluation_fails_loudly():
     v = nightly_verdict(_night(**{"pass@1": None}), HISTORY)
     assert not v.passed and "no pass@1" in v.reasons[0]
 
-
-def test_segments_end_at_every_evaluation_and_at_the_last_step():
-    assert segment_ends(20, 10) == [10, 20]
-    assert segment_ends(25, 10) == [10, 20, 25]
-    assert segment_ends(4, 10) == [4]
 
 
 def test_history_is_compared_per_preset():

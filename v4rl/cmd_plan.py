@@ -9,6 +9,7 @@ the Miles job; with `--miles-dir`, run Miles' own argument parser on that job (C
                                       # the job for that Miles' DeepSeek-V4 generation (read from its code)
     v4rl plan --preset dsv4-flash-mi355x-1node --compare-launcher [--miles-dir DIR]   # vs Miles' own launcher
     v4rl plan --preset dsv4-flash-mi355x --seed-command       # the seed's launcher command (Miles PR-head only)
+    v4rl plan --preset dsv4-flash-mi355x --storage-gb-per-s 2 --no-save-optim   # storage cost of a job start, a save
 
 Exit codes: 0 feasible (and, when asked, Miles accepts the job / the launcher comparison has no DIFF), 2
 infeasible or rejected (the flags and values named), 1 bad input. Without `--miles-dir`/`--compare-launcher`
@@ -84,6 +85,11 @@ def plan(
                                           help="Compare the job with Miles' own launcher, flag by flag."),
     seed_command: bool = typer.Option(False, "--seed-command",
                                       help="Print the seed's launcher command (parses on Miles PR-head a8684732f)."),
+    storage_gb_per_s: float = typer.Option(5.0, "--storage-gb-per-s",
+                                           help="Site storage bandwidth for the job start / save cost, GB/s "
+                                                "(default 5: a parallel file system for one job)."),
+    no_save_optim: bool = typer.Option(False, "--no-save-optim",
+                                       help="Cost saves without the optimizer state (Miles' --no-save-optim)."),
 ) -> None:
     """Check a parallel layout (Megatron + SGLang rules, per-GPU memory, traffic); exit 0 feasible, 2 not."""
     from engines.launch import preflight_plan, resolve
@@ -126,6 +132,10 @@ def plan(
                                  check_data=bool(data_dir or train_data or eval_data)) \
             if cluster and (miles_dir or check_miles) else None
         comparison = plan_miles.compare(preset, overrides, site, miles_dir) if compare_launcher else None
+        from v4rl import plan_cost
+
+        costs = plan_cost.cost_json(preset, overrides, storage_gb_per_s=storage_gb_per_s,
+                                    save_optim=not no_save_optim) if cluster else None
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
@@ -145,6 +155,8 @@ def plan(
             obj["miles_check"] = check.to_json()
         if comparison is not None:
             obj["launcher_comparison"] = comparison.to_json()
+        if costs is not None and json_out:
+            obj["storage_cost"] = costs
         if launch_obj is not None:
             obj = {**obj, "launch": launch_obj} if json_out else launch_obj
         typer.echo(json.dumps(obj, indent=1))
@@ -152,6 +164,8 @@ def plan(
         _print_tables(preset, result, alternatives)
         if cluster:
             typer.echo(plan_miles.pin_line(resolve(preset, overrides)[0].miles.generation))
+        if costs is not None:
+            typer.echo("\n".join(plan_cost.cost_lines(costs)))
         if seed_command and miles_obj is not None:
             typer.echo(plan_miles.seed_command_text(miles_obj))
         if check is not None:

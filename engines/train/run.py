@@ -3,8 +3,11 @@ HTTP server) and trainer, as Ray actors in one placement group, driven by the lo
 
 Resumable: the trainer reloads the latest checkpoint (weights, optimizer, RNG, data cursor = step), the
 rollout engine is brought to the same weights, metrics past that step are dropped, and the loop goes on
-from the next step with the same prompts it would have used. `run_training(..., until=K)` stops after
-step K so a caller (the Prefect flow) can run a long job as retryable segments.
+from the next step with the same prompts it would have used. As Miles does on the cluster, the run evaluates
+itself (before training, every loop.eval_interval steps and at the last step: eval/step_XXXXXX.json, which the
+rl-pipeline flow publishes as each lands) and checkpoints every save_interval steps and at the last step, so
+the Prefect flow runs it as ONE long task. `stop` (engines/train/stopping.py) ends it from another thread: its
+Ray actors are killed at once (any call blocked on them ends) and the run raises TrainingStopped.
 
     v4rl train --preset tiny-cpu --steps 100 --out runs/grpo
 """
@@ -24,6 +27,7 @@ from engines.train.cluster import RemoteCallTimeout
 from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
 from engines.train.runlog import RunLog
 from engines.train.sinks import check_sink_names, open_sinks
+from engines.train.stopping import StopRequest, TrainingStopped
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
@@ -215,8 +219,10 @@ def _grader_events(run_dir: Path, grader, reported: set[str], step: int, metrics
 
 
 def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | None = None,
-                 log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> dict:
-    """Train (or resume) the run in run_dir up to step `until` (default: config.steps)."""
+                 log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None,
+                 stop: StopRequest | None = None) -> dict:
+    """Train (or resume) the run in run_dir up to step `until` (default: config.steps); a set `stop` ends it
+    (TrainingStopped) at once, its workers killed."""
     from transformers import AutoTokenizer
 
     from engines.train.actors import HTTPRollout
@@ -242,7 +248,9 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})
-    with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call):
+    stop = stop or StopRequest()
+    stop.check()
+    with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call), _stoppable(stop, workers):
         client = SGLangClient(rollout_url, api_key=api_key, timeout=config.call_timeout_s,
                               generate_timeout=config.call_timeout_s, update_timeout=config.call_timeout_s)
         if api_key:
@@ -251,8 +259,12 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
         resumed = call(trainer.resume, "resuming the trainer")
         start = resumed["step"]
         dropped = runlog.truncate_after(start)
+        stale = [e["step"] for e in runlog.evals() if e["step"] > start]
+        for past in stale:  # evaluations of weights the resumed run trains again: redone when reached
+            (runlog.eval_dir / f"step_{past:06d}.json").unlink()
         if start:
-            log(f"resuming at step {start + 1} (checkpoint step {start}; dropped {dropped} metric rows past it)")
+            log(f"resuming at step {start + 1} (checkpoint step {start}; dropped {dropped} metric rows past it"
+                + (f" and the evaluations of steps {stale})" if stale else ")"))
         if not fresh:  # the served export may be newer than the checkpoint the trainer resumed from
             _sync(call, trainer, rollout, Path(run_dir), start)
         if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:
@@ -262,6 +274,7 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
         budget = MismatchBudget(config.mismatch_threshold, config.mismatch_steps, config.mismatch_action)
         step = start + 1
         while step <= last:
+            stop.check()
             t0 = time.monotonic()
             try:
                 groups, metrics = _graded_step(step, Path(run_dir), rollout=rollout, prompts=prompts, labels=labels,
@@ -366,6 +379,22 @@ def _check_protected(client: SGLangClient, log: Callable[[str], None]) -> None:
     log(f"rollout server {client.base_url} refuses requests without the API key ({ROLLOUT_API_KEY_ENV})")
 
 
+class _stoppable:
+    """Within the block, a stop request kills the workers at once (a call blocked on them fails) and whatever
+    the block raises after a stop becomes TrainingStopped, so the caller sees why it ended."""
+
+    def __init__(self, stop: StopRequest, workers: "_workers") -> None:
+        self.stop, self.workers = stop, workers
+
+    def __enter__(self) -> None:
+        self.unregister = self.stop.on_stop(self.workers.kill)
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self.unregister()
+        if exc is not None and self.stop.is_set() and not isinstance(exc, TrainingStopped):
+            raise TrainingStopped(f"training stopped: {self.stop.reason} (ended {type(exc).__name__})") from exc
+
+
 class _workers:
     """Context manager yielding (trainer, rollout url, call) either on Ray or in this process."""
 
@@ -394,6 +423,17 @@ class _workers:
         self.pids = {"driver": os.getpid(), "trainer": remote(self._actors.trainer.ping, "trainer pid"),
                      "rollout": remote(self._actors.rollout.ping, "rollout pid")}
         return self._actors.trainer, url, remote
+
+    def kill(self) -> None:
+        """End the workers now, from any thread (a stop request): Ray actors are killed, so a call blocked on one
+        fails; in this process the rollout server stops (the trainer's step in progress runs to its end)."""
+        if not self.config.use_ray:
+            self._rollout.stop()
+            return
+        import ray
+
+        for actor in (self._actors.trainer, self._actors.rollout):
+            ray.kill(actor)
 
     def __exit__(self, *exc) -> None:
         if not self.config.use_ray:

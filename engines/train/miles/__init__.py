@@ -12,7 +12,7 @@ checkout is, generation.py reads from its code). This package
     `idle_timeout_s` or runs past `timeout_s`, and stopping the submitted Ray job too;
   - checks the job against the user's Miles before anything is submitted (preflight.py: Miles' own
     parse_args on CPU) and against Miles' own launcher (launcher_compare.py);
-  - derives the pipeline's jobs from it (jobs.py: a training segment, Miles' eval-only run, the alignment
+  - derives the pipeline's jobs from it (jobs.py: the run's one training job, Miles' eval-only run, the alignment
     gate's train-only debug run);
   - reads its checkpoints (`iter_XXXXXXX/`, `latest_checkpointed_iteration.txt`, the data cursor) by Miles' own
     resume rules, repairing a tracker a crash left behind (checkpoints.py), and parses its metric lines

@@ -1,9 +1,10 @@
 """The Miles jobs v4rl derives from the training job's `train.py` argv, each a run of Miles' own train.py:
 
-  segment_argv    training up to rollout `until` (`--num-rollout until`), resuming through --load; Miles saves at
-                  the last rollout of every job (train.py `should_run_periodic_action(..., num_rollout)`), so
-                  each segment ends on a checkpoint; `--skip-eval-before-train`: the step a job starts at was
-                  already evaluated (by the previous job, or by the eval-only job of step 0)
+  run_argv        the whole run in one job (`--num-rollout steps`), resuming through --load: Miles evaluates
+                  before training (step 0, or the resume point when its evaluation was lost) and every
+                  `--eval-interval` rollouts, saves every `--save-interval` rollouts and at the last one (train.py
+                  `should_run_periodic_action(..., num_rollout)`); `--skip-eval-before-train` when the step the
+                  job starts at was already evaluated (a resubmission after a failure)
   eval_only_argv  `--num-rollout 0` with the eval flags: train.py's "eval-only" case loads a checkpoint (as a
                   reference: --ref-load, with --ref-ckpt-step for a saved iteration), pushes it to SGLang and
                   runs Miles' evaluation once (`eval 0`)
@@ -68,16 +69,24 @@ def with_flags(argv: Sequence[str], **flags: str | int | Sequence[str] | bool) -
     return out
 
 
-def segment_argv(train_argv: Sequence[str], *, until: int, eval_interval: int | None = None) -> list[str]:
-    """The training job trained up to rollout `until` (exclusive), evaluation before training skipped; with
-    `eval_interval` Miles evaluates every that many rollouts (segments that end on one end on an evaluation)."""
-    if until < 1:
-        raise ValueError(f"a training segment must end at rollout >= 1 (--num-rollout), got {until}")
+def run_argv(train_argv: Sequence[str], *, steps: int, eval_interval: int | None = None,
+             save_interval: int | None = None, evaluate_first: bool = True) -> list[str]:
+    """The one training job of a run: rollouts [resume point, steps), Miles evaluating itself every `eval_interval`
+    rollouts and saving every `save_interval` (None: the job's own flags) and at the last rollout; with
+    `evaluate_first` Miles also evaluates the weights it starts from (step 0, or the resume point)."""
+    if steps < 1:
+        raise ValueError(f"a training run must train at least one rollout (--num-rollout), got {steps}")
     if flag_values(train_argv, "--save") is None or flag_values(train_argv, "--load") is None:
-        raise ValueError("the training job has no --save/--load: segments resume through them; build the job with "
-                         "a save directory (MilesJob.save_dir)")
+        raise ValueError("the training job has no --save/--load: a resubmission resumes through them; build the job "
+                         "with a save directory (MilesJob.save_dir)")
+    for name, value in (("eval_interval", eval_interval), ("save_interval", save_interval)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 (--{name.replace('_', '-')}), got {value}")
     cadence = {"eval_interval": eval_interval} if eval_interval and flag_values(train_argv, "--eval-interval") else {}
-    return with_flags(train_argv, num_rollout=until, skip_eval_before_train=True, log_passrate=True, **cadence)
+    if save_interval:
+        cadence["save_interval"] = save_interval
+    return with_flags(train_argv, num_rollout=steps, skip_eval_before_train=not evaluate_first, log_passrate=True,
+                      **cadence)
 
 
 def eval_only_argv(train_argv: Sequence[str], *, checkpoint_dir: str | None = None,

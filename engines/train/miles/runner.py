@@ -1,10 +1,20 @@
 """Running a Miles job: prepare it (plan, site, resume, build), submit it with `ray job submit`, stream its log,
-enforce timeouts, stop the Ray job it submitted, check the resume took."""
+enforce timeouts, stop the Ray job it submitted, check the resume took.
+
+A job ends early, its `ray job submit` client killed and its Ray job stopped (`ray job stop <id>`), when:
+  - it prints nothing for `idle_timeout_s` (a stalled collective) or runs past `timeout_s` (MilesTimeout);
+  - its checkpoint load prints `<key> from model not in state dict, will skip` (Megatron's torch_dist loader
+    only prints that and leaves the parameter at its init): MilesLoadSkipped names the key; a retry cannot
+    fix it, so it is not retried (`retryable = False`);
+  - its first rollout is below the resume point (--load was ignored: it would retrain from scratch);
+  - a stop is requested (engines/train/stopping.py: the flow run was cancelled): MilesStopped.
+Each exception says why, with the log's last lines; `.retryable` tells the Prefect task whether a retry helps."""
 
 from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -19,6 +29,7 @@ from engines.train.miles.checkpoints import prepare_resume
 from engines.train.miles.command import MilesCommand, MilesJob, build_command
 from engines.train.miles.metrics import RAY_JOB_SUBMITTED, MetricRecord, parse_metric_line
 from engines.train.miles.submit import submit_argv, submit_env
+from engines.train.stopping import StopRequest
 
 if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
@@ -42,6 +53,9 @@ class MilesOutcome:
 class MilesRunError(RuntimeError):
     """Miles failed (non-zero exit, silent restart); `.outcome` has the log tail and the metrics so far."""
 
+    retryable = True
+    """A retry (resubmission from the last complete checkpoint) can help: a lost node, a killed job, a hang."""
+
     def __init__(self, message: str, outcome: MilesOutcome) -> None:
         super().__init__(message + "\n--- last log lines ---\n" + "\n".join(outcome.tail[-20:]))
         self.outcome = outcome
@@ -49,6 +63,23 @@ class MilesRunError(RuntimeError):
 
 class MilesTimeout(MilesRunError):
     """Miles printed nothing for idle_timeout_s (a stalled collective?) or ran past timeout_s; it was killed."""
+
+
+class MilesLoadSkipped(MilesRunError):
+    """Megatron's checkpoint load skipped a parameter (`... from model not in state dict, will skip`); killed."""
+
+    retryable = False
+
+
+class MilesStopped(MilesRunError):
+    """The job was stopped on request (the flow run was cancelled); its Ray job was stopped."""
+
+    retryable = False
+
+
+LOAD_SKIPPED = re.compile(r"(?P<key>\S+) from model not in state dict, will skip")
+"""Megatron's dist_checkpointing (strategies/torch.py `_validate_global_shapes`) prints this for a model tensor
+the checkpoint lacks, then goes on: the parameter keeps its random init and the run trains garbage."""
 
 
 def stop_ray_job(job_id: str, env: Mapping[str, str] | None = None) -> bool:
@@ -78,13 +109,17 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
               cwd: str | Path | None = None, idle_timeout_s: float = 1800.0, timeout_s: float | None = None,
               on_line: Callable[[str], None] | None = None, on_record: Callable[[MetricRecord], None] | None = None,
               expect_start_rollout: int | None = None, stop_job: Callable[..., bool] = stop_ray_job,
-              kill_grace_s: float = 10.0) -> MilesOutcome:
+              kill_grace_s: float = 10.0, stop: StopRequest | None = None,
+              on_job: Callable[[str | None], None] | None = None) -> MilesOutcome:
     """Run a Miles command, stream its output, enforce timeouts; return the outcome or raise MilesRunError.
 
     Each stdout/stderr line is appended to `log_path`, passed to `on_line`, and parsed for metrics
     (`on_record`). No output for `idle_timeout_s`, or a total past `timeout_s`, kills the process group and
     stops the Ray job it submitted (MilesTimeout). A first rollout id below `expect_start_rollout` means the
-    resume was ignored: the run is killed (MilesRunError) rather than silently retraining from scratch.
+    resume was ignored: the run is killed (MilesRunError) rather than silently retraining from scratch. A
+    load that skips a parameter is killed at its first `will skip` line (MilesLoadSkipped), and a stop request
+    (`stop`, set from another thread) kills the run within a poll (MilesStopped). `on_job` hears the Ray job id
+    once `ray job submit` prints it and None when the job is over (the run directory's record of a live job).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +158,15 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
                 job = RAY_JOB_SUBMITTED.search(line)
                 if job:
                     outcome.ray_job_id = job.group("id")
+                    if on_job:
+                        on_job(outcome.ray_job_id)
+                skipped = LOAD_SKIPPED.search(line)
+                if skipped and failure is None:
+                    failure = (MilesLoadSkipped, f"Miles' checkpoint load skipped {skipped.group('key')!r} (\"from "
+                               "model not in state dict, will skip\"): that parameter would train from its random "
+                               "init; the checkpoint in --load/--ref-load lacks it. Check the conversion against this "
+                               "Miles generation (the preflight's key comparison) and convert again; killed, not "
+                               "retried")
                 record = parse_metric_line(line)
                 if record:
                     outcome.records.append(record)
@@ -135,6 +179,8 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
                                                       f"{expect_start_rollout}: --load's checkpoint was ignored")
             if failure is None and timeout_s is not None and now - start > timeout_s:
                 failure = (MilesTimeout, f"Miles ran past timeout_s={timeout_s:.0f}s; killed")
+            if failure is None and stop is not None and stop.is_set():
+                failure = (MilesStopped, f"Miles job stopped: {stop.reason or 'a stop was requested'}")
             if failure is None and now - last > idle_timeout_s:
                 failure = (MilesTimeout, f"Miles printed nothing for {idle_timeout_s:.0f}s (a stalled collective? "
                                          "see the flight-recorder dumps at TORCH_NCCL_DEBUG_INFO_TEMP_FILE); killed")
@@ -145,6 +191,8 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
                 break
     outcome.returncode = proc.wait()
     outcome.seconds = time.monotonic() - start
+    if on_job:
+        on_job(None)
     if failure:
         raise failure[0](failure[1], outcome)
     if outcome.returncode != 0:
