@@ -160,8 +160,8 @@ def test_the_check_passes_for_the_committed_trained_base_and_the_engine_runs_fus
 @needs_compiler
 def test_a_planted_kernel_error_fails_the_check_with_one_warning_and_falls_back(tiny_base, monkeypatch, caplog,
                                                                                check_calls):
-    """0.1% relative on each value of sink attention's output: far outside the torch ops' float32 error; the run uses the torch
-    ops (exactly their numbers), warned about once however many models of the config ask."""
+    """0.1% relative on each value of sink attention's output: far outside the torch ops' float32 error; the run
+    uses the torch ops (exactly their numbers), warned about once however many models of the config ask."""
     monkeypatch.setattr(fused, "attend", _planted("attend", 1e-3))
     model = _trained_base(tiny_base)
     with caplog.at_level(logging.WARNING, logger="v4rl.kernels"):
