@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 import torch
 
 from checkpoints.names import convert_name, native_to_megatron, placements
