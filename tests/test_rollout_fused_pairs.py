@@ -187,7 +187,8 @@ def test_table_names_every_cache_sglang_load_weights_asserts():
         roots = sglang_paths(install=False)
     except EngineSourceMissing as exc:
         pytest.skip(f"SGLang source unavailable: {exc}")
-    source = next(r / "sglang/srt/models/deepseek_v4.py" for r in roots if (r / "sglang/srt/models/deepseek_v4.py").is_file())
+    model_file = "sglang/srt/models/deepseek_v4.py"
+    source = next(r / model_file for r in roots if (r / model_file).is_file())
     text = source.read_text()
     body = text[text.index("    def load_weights(self, weights"):]
     body = body[: body.index("\n    def ", 10)]
