@@ -157,7 +157,8 @@ def test_job_runs_sglang_without_the_fp8_wo_a_gemm(monkeypatch):
     tiny = build_command(SEED_RUN, _job(), site=SITE, hf_config=flash_config() | {"o_lora_rank": 64})
     assert flash.env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0" == tiny.env["SGLANG_OPT_FP8_WO_A_GEMM"]
     assert "SGLANG_OPT_FP8_WO_A_GEMM" not in get_profile("mi355x").miles_env  # v4rl's setting, not the profile's
-    mine = build_command(SEED_RUN, _job(extra_env={"SGLANG_OPT_FP8_WO_A_GEMM": "1"}), site=SITE, hf_config=flash_config())
+    mine = build_command(SEED_RUN, _job(extra_env={"SGLANG_OPT_FP8_WO_A_GEMM": "1"}), site=SITE,
+                         hf_config=flash_config())
     assert mine.env["SGLANG_OPT_FP8_WO_A_GEMM"] == "1"
     # once SGLang's default round-trips (a new pin, the SGLang model suite passing), only o_lora_rank decides
     monkeypatch.setattr(update_settings, "DEFAULT_WO_A_ROUND_TRIPS", True)

@@ -66,7 +66,8 @@ def test_one_byte_buckets_keep_every_pair_together(push, order):
     cfg, _ = read_config(TINY_BASE)
     compressors = sum(n.endswith(".compressor.wkv.weight") for n, _ in named)  # CSA: attention + indexer; HCA
     assert compressors == sum(n.endswith(".compressor.wgate.weight") for n, _ in named) > 0
-    assert len(pairs) == compressors + 2 * cfg.num_hidden_layers  # + wq_a/wkv weight and scale per layer
+    # + per layer: wq_a/wkv weight, their scales, and wo_a weight + scale (SGLANG_OPT_FP8_WO_A_GEMM=0's pre-pass)
+    assert len(pairs) == compressors + 3 * cfg.num_hidden_layers
     assert all(len(halves) == 2 for halves in pairs.values())
     # a plain byte packer (no pairs) splits every one of them at this size: the test would notice a regression
     assert all(len(b) == 1 for b in update_buckets(named, 1, pairs=()))
@@ -101,9 +102,19 @@ def test_the_table_reads_sglang_names():
         "model.layers.3.self_attn.indexer.compressor.wkv_gate.weight", 1)
     assert fused_parameter("model.layers.0.self_attn.wkv.weight_scale_inv") == (
         "model.layers.0.self_attn.wqkv_a.weight_scale_inv", 1)
+    assert fused_parameter("model.layers.2.self_attn.wo_a.scale") == ("model.layers.2.self_attn.wo_a.weight", 1)
     for alone in ("model.layers.0.self_attn.wq_b.weight", "model.layers.0.self_attn.indexer.wq_b.weight",
                   "model.layers.1.self_attn.compressor.ape", "model.layers.0.mlp.experts.0.gate_proj.weight"):
         assert fused_parameter(alone) is None, alone
+
+
+def test_wo_a_scale_travels_under_the_name_sglangs_dequant_pass_pairs(push):
+    """With SGLANG_OPT_FP8_WO_A_GEMM=0 SGLang pairs `.wo_a.weight` with `.wo_a.scale` only (its remap turns that
+    name into `.wo_a.weight_scale_inv` for the default path): the push must not send `weight_scale_inv` for wo_a."""
+    names = {n for n, _ in push}
+    assert {f"model.layers.{i}.self_attn.wo_a.scale" for i in range(4)} <= names
+    assert not any(n.endswith(".wo_a.weight_scale_inv") for n in names)
+    assert "model.layers.0.self_attn.wo_b.weight_scale_inv" in names  # every other scale keeps SGLang's name
 
 
 def test_a_missing_or_repeated_half_is_refused_before_anything_is_sent(push):
@@ -167,21 +178,27 @@ def test_distributed_push_announces_pairs_in_one_bucket(push):
 
 
 def test_table_names_every_cache_sglang_load_weights_asserts():
-    """Drift guard: the pinned SGLang's load_weights asserts exactly the caches the table names, and spells every
-    half and fused suffix the table uses (a new fused pair in a bumped SGLang fails here)."""
+    """Drift guard: the pinned SGLang's load_weights asserts exactly the `cache_*` caches the table names, and
+    spells every half and fused suffix the table uses; its wo_a pre-pass pairs `.wo_a.weight` with `.wo_a.scale`
+    (a new fused pair in a bumped SGLang fails here)."""
     from engines.engine_sources import EngineSourceMissing, sglang_paths
 
     try:
         roots = sglang_paths(install=False)
     except EngineSourceMissing as exc:
         pytest.skip(f"SGLang source unavailable: {exc}")
-    source = next(r / "sglang/srt/models/deepseek_v4.py" for r in roots if (r / "sglang/srt/models/deepseek_v4.py").is_file())
+    model_file = "sglang/srt/models/deepseek_v4.py"
+    source = next(r / model_file for r in roots if (r / model_file).is_file())
     text = source.read_text()
     body = text[text.index("    def load_weights(self, weights"):]
     body = body[: body.index("\n    def ", 10)]
     asserted = set(re.findall(r"assert len\((cache_\w+)\) == 0", body))
-    assert asserted == {p.cache for p in FUSED_PAIRS}
-    for pair in FUSED_PAIRS:
+    assert asserted == {p.cache for p in FUSED_PAIRS if p.cache.startswith("cache_")}
+    prepass = text[text.index("def _dequant_fp8_wo_a_streaming("):]
+    prepass = prepass[: prepass.index("\ndef ", 10)]
+    assert 'name.endswith(".wo_a.weight")' in prepass and 'name.endswith(".wo_a.scale")' in prepass
+    assert "_dequant_fp8_wo_a_streaming(weights)" in text  # what load_weights runs when wo_a is not kept in FP8
+    for pair in (p for p in FUSED_PAIRS if p.cache.startswith("cache_")):
         for half in pair.halves:  # spelled as SGLang matches it: name.endswith(".wq_a.weight_scale_inv"), ...
             assert '".' + ".".join(half.split(".")[-2:]) + '"' in body, half
         assert "." + pair.fused.split(".")[-2] + "." in body, pair.fused  # ".wkv_gate." / ".wqkv_a."

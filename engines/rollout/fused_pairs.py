@@ -4,16 +4,17 @@ SGLang 0.5.23's `DeepseekV4ForCausalLM.load_weights` (sglang/srt/models/deepseek
 from two checkpoint tensors: it caches the first half it sees and loads the fused parameter when the second
 arrives, and at the end of EVERY call it asserts that its caches are empty (`assert len(cache_compressor_weight)
 == 0`, `assert len(cache_wqkv_a_weight) == 0`). `/update_weights_from_distributed` runs one `load_weights` call
-per bucket, so a bucket holding one half of a pair fails the update (conformance C9). `FUSED_PAIRS` is SGLang's
-whole list, in SGLang's tensor names (what `launcher.sglang_named_tensors` sends); `update_buckets` packs tensors
-by bytes with each pair as one unit, and refuses a stream that carries one half without the other (SGLang would
-fail on it after the bytes were sent).
+per bucket, so a bucket holding one half of a pair fails the update (conformance C9). With
+SGLANG_OPT_FP8_WO_A_GEMM=0 its wo_a pre-pass pairs `wo_a.weight` with `wo_a.scale` the same way, and a split
+there loads the FP8 bytes without their scale, silently. `FUSED_PAIRS` is SGLang's whole list, in the tensor
+names `launcher.sglang_named_tensors` sends; `update_buckets` packs tensors by bytes with each pair as one unit,
+and refuses a stream that carries one half without the other (SGLang would fail on it after the bytes were sent).
 
     from engines.rollout.fused_pairs import update_buckets
     for bucket in update_buckets(sglang_named_tensors(encoded), bucket_bytes=1 << 30): ...
 
-`tests/test_rollout_launcher.py` checks the grouping on every tensor of tiny-base with 1-byte buckets and that the
-table still names every cache SGLang's `load_weights` asserts on (SGLang source cache, skipped without it).
+`tests/test_rollout_fused_pairs.py` checks the grouping on every tensor of tiny-base with 1-byte buckets and that
+the table still names every cache SGLang's `load_weights` asserts on (SGLang source cache, skipped without it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class FusedPair:
     fused: str
     """Name suffix of SGLang's parameter: a tensor's name with its half's suffix replaced by this."""
     cache: str
-    """The dict in SGLang's load_weights that holds the first half until the second arrives (asserted empty)."""
+    """The dict in SGLang's load_weights that holds the first half until the second arrives (the `cache_*` ones
+    are asserted empty at the end of each call)."""
     when: str
     """The SGLang condition under which load_weights fuses this pair."""
     excluding: tuple[str, ...] = ()
@@ -61,6 +63,11 @@ FUSED_PAIRS: tuple[FusedPair, ...] = (
     FusedPair((".wq_a.weight", ".wkv.weight"), ".wqkv_a.weight", _WQKV_A, _WQKV_A_WHEN, _NOT_COMPRESSOR),
     FusedPair((".wq_a.weight_scale_inv", ".wkv.weight_scale_inv"), ".wqkv_a.weight_scale_inv", _WQKV_A,
               _WQKV_A_WHEN, _NOT_COMPRESSOR),
+    # SGLANG_OPT_FP8_WO_A_GEMM=0 (v4rl's setting): load_weights' pre-pass (_dequant_fp8_wo_a_streaming) holds
+    # `wo_a.weight` until `wo_a.scale` arrives and dequantizes wo_a to BF16; nothing asserts, a split pair loads
+    # the FP8 bytes unscaled and drops the scale (`...wo_a.weight_scale_inv not found in params_dict`)
+    FusedPair((".wo_a.weight", ".wo_a.scale"), ".wo_a.weight", "pending (_dequant_fp8_wo_a_streaming)",
+              "SGLANG_OPT_FP8_WO_A_GEMM=0 (v4rl's setting; conformance C9)"),
     # GGUF checkpoints only (v4rl never sends these); listed so the table is SGLang's whole list
     FusedPair((".wq_a.qweight", ".wkv.qweight"), ".wqkv_a.qweight", _WQKV_A, _WQKV_A_WHEN, _NOT_COMPRESSOR),
     FusedPair((".wq_a.qweight_type", ".wkv.qweight_type"), ".wqkv_a.qweight_type", _WQKV_A, _WQKV_A_WHEN,
@@ -109,8 +116,8 @@ def pair_units(named: Iterable[tuple[str, torch.Tensor]], pairs: Sequence[FusedP
         partner = name[: -len(pair.halves[which])] + pair.halves[1 - which]
         raise SplitPairError(
             f"{name} has no partner {partner} in this weight update ({len(waiting)} fused parameters incomplete); "
-            f"SGLang's DeepSeek-V4 loader builds {fused} from both in one load_weights call and asserts "
-            f"`{pair.cache}` is empty at its end ({pair.when}): send both halves")
+            f"SGLang's DeepSeek-V4 loader builds {fused} from both within one load_weights call "
+            f"(`{pair.cache}`, {pair.when}): send both halves")
 
 
 def update_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

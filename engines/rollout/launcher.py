@@ -321,11 +321,17 @@ def receive_bucket(group: Any, metadata: Mapping[str, Sequence[Any]]) -> list[tu
 
 def sglang_named_tensors(encoded: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Native on-disk names (`X.weight`, `X.scale`, from checkpoints.hf.encode_tensor) -> SGLang's HF names
-    (`model.layers...weight`, `...weight_scale_inv`), tensors untouched (same dtype, same bits)."""
+    (`model.layers...weight`, `...weight_scale_inv`; `...wo_a.scale`, see below), tensors untouched (same dtype,
+    same bits)."""
     for name, t in encoded:
         if name.endswith(".scale"):
             weight = native_to_sglang_name(name[: -len(".scale")] + ".weight")
-            yield weight[: -len("weight")] + "weight_scale_inv", t
+            # wo_a keeps the `.scale` spelling: with SGLANG_OPT_FP8_WO_A_GEMM=0 (what v4rl runs, update_settings.py)
+            # SGLang's load_weights first dequantizes wo_a, pairing `.wo_a.weight` with `.wo_a.scale` only (a
+            # `weight_scale_inv` would be dropped and the FP8 bytes loaded unscaled); its name remap turns a
+            # self_attn `.scale` into `.weight_scale_inv` otherwise, so the default path takes the same name
+            leaf = "scale" if weight.endswith(".wo_a.weight") else "weight_scale_inv"
+            yield weight[: -len("weight")] + leaf, t
         else:
             yield native_to_sglang_name(name), t
 

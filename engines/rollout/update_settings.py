@@ -2,18 +2,19 @@
 load: the environment of `launcher.launch_env` (v4rl's own SGLang servers) and of the Miles job
 (`engines/train/miles/env.py`, every rank, SGLang engines included).
 
-SGLANG_OPT_FP8_WO_A_GEMM (SGLang 0.5.23 default 1) keeps the attention's grouped output projection `wo_a` in FP8
-and runs it as one absorbed GEMM. Its post-load step (`DeepseekV4ForCausalLM._setup_fp8_wo_a_scales`) reshapes
+SGLANG_OPT_FP8_WO_A_GEMM (SGLang 0.5.23 default 1) keeps the attention's grouped output projection `wo_a` in FP8 and
+runs it as one absorbed GEMM. Its post-load step (`DeepseekV4ForCausalLM._setup_fp8_wo_a_scales`) reshapes
 `wo_a.weight_scale_inv` to [groups, o_lora_rank/128, in/128] (CUDA: DeepGEMM's layout; ROCm: aiter's UE8M0 byte
-scales, the weight re-quantized when its scales are not powers of two) and `restore_weights_before_loading` never puts it back, so the next
-`load_weights` of an online update reads into a parameter of another shape (conformance C9: `[2,1,1]` vs `[2,1]`
-on CPU). It also needs `o_lora_rank` to be a multiple of the 128-wide FP8 block, or the FIRST load fails
-(`shape '[2, 0, 1]' is invalid`: tiny-cpu's o_lora_rank is 64; C8). With 0 SGLang dequantizes wo_a to BF16 at
-load and post-processing is an identity there, which round-trips (C9). Miles' own CUDA launcher sets 0 as well
-(`scripts/run_deepseek_v4.py`: "SGLANG_OPT_FP8_WO_A_GEMM": "0"); its AMD launcher (and the seed's PR-branch one)
-leaves SGLang's default, running on Miles' `sglang-miles` branch.
+scales, the weight re-quantized when its scales are not powers of two) and `restore_weights_before_loading` never
+puts it back, so the next `load_weights` of an online update reads into a parameter of another shape (conformance
+C9: `[2,1,1]` vs `[2,1]` on CPU). It also needs `o_lora_rank` to be a multiple of the 128-wide FP8 block, or the
+FIRST load fails (`shape '[2, 0, 1]' is invalid`: tiny-cpu's o_lora_rank is 64; C8). With 0 SGLang dequantizes wo_a
+to BF16 at load and post-processing is an identity there, which round-trips (C9; the distributed path needs wo_a's
+scale under `.wo_a.scale`, which `launcher.sglang_named_tensors` sends). Miles' own CUDA launcher sets 0 as
+well (`scripts/run_deepseek_v4.py`: "SGLANG_OPT_FP8_WO_A_GEMM": "0"); its AMD launcher (and the seed's PR-branch
+one) leaves SGLang's default, running on Miles' `sglang-miles` branch.
 
-    env.update(wo_a_gemm_env(o_lora_rank))        # {"SGLANG_OPT_FP8_WO_A_GEMM": "0"} while the default cannot round-trip
+    env.update(wo_a_gemm_env(o_lora_rank))   # {"SGLANG_OPT_FP8_WO_A_GEMM": "0"} while the default cannot round-trip
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ class TrainRunConfig:
     blocks, UE8M0 scales: the seed's FP8-expert repackage, SGLang's SGLANG_DSV4_FP4_EXPERTS=0) or fp4 (E2M1 +
     UE8M0 per 1x32, how the bootstrap base stores them). Start and updates always agree: the rollout engine starts
     from the base re-stored in this format (converted once, logged, when the base stores experts otherwise), the
-    trainer exports in it and its quantization-aware forward uses it. fp8 because FP4's power-of-two group scales
-    round small updates away or double a group's scale (see `_rollout_start_weights` for the measurements)."""
+    trainer exports in it and its quantization-aware forward uses it. fp8 as on the cluster; fp4 measured as good
+    over the first steps (`_rollout_start_weights` has the numbers)."""
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(dynamic_sampling=False))
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
@@ -330,12 +330,14 @@ def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
     another way (the bootstrap base: FP4) is converted here, once per run, and the conversion is logged; the
     engine refuses an update in another expert format, and so does SGLang (conformance C10).
 
-    Why fp8 by default: online updates re-quantize the trainer's fp32 master weights every step. FP4 experts with
-    UE8M0 1x32 scales do not survive that: a group whose largest value sits on the top grid point (6 x scale)
-    doubles its power-of-two scale at the smallest upward move and loses half its resolution (measured: mean
-    |Δlogprob| 0.19 after one lr-1e-4 step, vs 0.016 with FP8 experts). The seed ran the same way
-    (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage). Written once; a resumed run starts from its latest export
-    instead (returns (path, True) when written now).
+    Why fp8 by default: the cluster path serves FP8 experts (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage, as
+    the seed and Miles' launchers) and the README's 100-step table was measured this way. With the trainer's
+    quantization-aware forward in the same format, FP4 does as well over the first steps (measured 2026-12-01,
+    `v4rl train --steps 4 --prompts-per-step 32 --no-ray`, lr 1e-4, loaded machine: mean |Δlogprob| fp4 0.0046,
+    fp8 0.0056; reward 0.246 -> 0.375 vs 0.246 -> 0.359). Without that forward FP4 is far worse: a UE8M0 1x32
+    group whose largest value sits on the top grid point doubles its power-of-two scale at the smallest upward move
+    (|Δlogprob| 0.19 after one lr-1e-4 step, vs 0.016 with FP8 experts). Written once; a resumed run starts from
+    its latest export instead (returns (path, True) when written now).
     """
     from checkpoints.hf import load_hf_checkpoint, read_config, save_hf_checkpoint
 
