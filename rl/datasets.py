@@ -193,7 +193,8 @@ def _check_columns(source: Path, records: list[dict[str, Any]], input_key: str, 
 
 
 class DatasetError(ValueError):
-    """A dataset file has fewer usable rows than the run needs; the message names the file and the fix."""
+    """A dataset file cannot serve the run (missing, unreadable, without the named column, too few usable rows);
+    the one-line message names the file and the fix. A ValueError: Prefect's tasks do not retry it."""
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,11 @@ def plan(
     from engines.launch import preflight_plan, resolve
     from engines.layout import rank_layouts
 
+    try:
+        eval_pairs = _eval_pairs(eval_data)
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=BAD_INPUT)
     overrides = dict(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, pp_first=pp_first, pp_last=pp_last, nodes=nodes,
                      rollout_nodes=rollout_nodes, gpus_per_node=gpus_per_node, hbm_gb=hbm_gb,
                      host_memory_gb=host_memory_gb, max_tokens_per_gpu=max_tokens_per_gpu, recompute=recompute,
@@ -102,7 +107,7 @@ def plan(
                      sglang_dp=sglang_dp, max_running_requests=max_running_requests,
                      max_total_tokens=max_total_tokens, context_length=context_length, profile=profile,
                      model_config=model_config, mem_fraction_static=mem_fraction_static,
-                     prompt_data=train_data, eval_datasets=_eval_pairs(eval_data))
+                     prompt_data=train_data, eval_datasets=eval_pairs)
     paths = dict(hf_checkpoint=hf_checkpoint, ref_load=ref_load, save_dir=save_dir, data_dir=data_dir)
     site_args = dict(head_ip=head_ip, worker_ip=worker_ip, ifname=ifname, ib_hca=ib_hca, ray_address=ray_address,
                      master_addr=master_addr)
@@ -180,7 +185,7 @@ def _eval_pairs(items: list[str]) -> list[tuple[str, str]] | None:
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise typer.BadParameter(f"--eval-data {item!r}: give NAME=PATH (e.g. aime=/data/aime-2024.jsonl)")
+            raise ValueError(f"--eval-data {item!r}: give NAME=PATH (e.g. aime=/data/aime-2024.jsonl)")
         pairs.append((name, path))
     return pairs or None
 
