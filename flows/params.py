@@ -310,8 +310,8 @@ class PipelineParams(BaseModel):
         return self.store_url or f"file://{Path(self.runs_root) / 'store'}"
 
     def training_fingerprint(self) -> str:
-        """Hash of everything that shapes the training trajectory (segments of one run share it)."""
-        # runs_root too: a cached segment only stands for training done in this very run directory
+        """Hash of everything that shapes the training trajectory (the training task's cache key)."""
+        # runs_root too: a cached training only stands for training done in this very run directory
         keys = ("preset", "run_key", "runs_root", "hf_checkpoint", "steps", "prompts_per_step", "n_samples", "lr",
                 "seed")
         fields = {k: getattr(self, k) for k in keys}

@@ -108,8 +108,12 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
                      params.seed, artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks),
                      cluster=cluster, **_eval_data(params))
             uploaded = upload_artifacts(str(run_dir), **store)
-    except BaseException as exc:  # cancelled (Prefect's TerminationSignal), interrupted, or a failed subflow
-        request_stop(run_dir, f"the flow run ended ({type(exc).__name__}) while training ran")
+    except Exception:  # publishing failed: the training is not thrown away for it; the flow fails once it ends
+        log.exception("publishing an evaluation failed; the training goes on to its end, then this flow run fails")
+        training.wait()
+        raise
+    except BaseException as exc:  # cancelled (Prefect's TerminationSignal: a BaseException) or interrupted
+        request_stop(run_dir, f"the flow run was cancelled or interrupted ({type(exc).__name__}) while training ran")
         training.wait(STOP_WAIT_S)
         raise
     training.result()  # a failed training (after its retries) fails the flow here

@@ -66,7 +66,7 @@ class ClusterRun:
     @classmethod
     def from_miles(cls, miles: Mapping[str, Any]) -> "ClusterRun":
         """From the flow's plain-dict settings (flows/rl_pipeline.py `_miles`: PipelineParams.site(),
-        .miles_job(), .miles_overrides(), the run directory, the segment length, the gate's SGLang server)."""
+        .miles_job(), .miles_overrides(), the run directory, the eval interval, the gate's SGLang server)."""
         site = dict(miles["site"])
         site["worker_ips"] = tuple(site.get("worker_ips") or ())
         return cls(preset=miles["preset"], job=MilesJob(**miles["job"]), site=Site(**site), run_dir=miles["run_dir"],
