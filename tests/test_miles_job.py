@@ -147,6 +147,25 @@ def test_runtime_env_carries_the_site_network_and_keeps_values_whole():
         build_command(SEED_RUN, _job(extra_env={"BAD": "a\nb"}), site=SITE)
 
 
+def test_job_runs_sglang_without_the_fp8_wo_a_gemm(monkeypatch):
+    """SGLang's default fp8 wo_a path does not round-trip an online update (conformance C9) and fails the first
+    load when o_lora_rank is not a multiple of 128 (C8): every SGLang engine of the job gets the variable at 0,
+    on MI355X too, whose Miles launcher leaves SGLang's default; the job's own extras may set it back."""
+    from engines.rollout import update_settings
+
+    flash = build_command(SEED_RUN, _job(), site=SITE, hf_config=flash_config())
+    tiny = build_command(SEED_RUN, _job(), site=SITE, hf_config=flash_config() | {"o_lora_rank": 64})
+    assert flash.env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0" == tiny.env["SGLANG_OPT_FP8_WO_A_GEMM"]
+    assert "SGLANG_OPT_FP8_WO_A_GEMM" not in get_profile("mi355x").miles_env  # v4rl's setting, not the profile's
+    mine = build_command(SEED_RUN, _job(extra_env={"SGLANG_OPT_FP8_WO_A_GEMM": "1"}), site=SITE, hf_config=flash_config())
+    assert mine.env["SGLANG_OPT_FP8_WO_A_GEMM"] == "1"
+    # once SGLang's default round-trips (a new pin, the SGLang model suite passing), only o_lora_rank decides
+    monkeypatch.setattr(update_settings, "DEFAULT_WO_A_ROUND_TRIPS", True)
+    assert "SGLANG_OPT_FP8_WO_A_GEMM" not in build_command(SEED_RUN, _job(), site=SITE, hf_config=flash_config()).env
+    tiny = build_command(SEED_RUN, _job(), site=SITE, hf_config=flash_config() | {"o_lora_rank": 64})
+    assert tiny.env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+
+
 def test_submit_is_ray_job_submit_to_the_existing_cluster():
     command = build_command(SEED_RUN, _job(miles_dir="/opt/miles"), site=SITE)
     argv = submit_argv(command, SITE)

@@ -55,9 +55,34 @@ def test_launch_command_from_preset_and_profile():
     assert "--dp-size" not in cmd and "--trust-remote-code" in cmd
     env = launch_env(spec, base={"PATH": "/bin"})
     assert env == {"PATH": "/bin", "NCCL_IB_GID_INDEX": "1", "GPU_MAX_HW_QUEUES": "2",
-                   "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+                   "SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_OPT_FP8_WO_A_GEMM": "0"}
     with pytest.raises(ValueError, match="mem_fraction_static"):
         SGLangServerSpec(model_path="/x", mem_fraction_static=1.5)
+
+
+def test_sglang_fp8_wo_a_gemm_follows_the_model_and_what_round_trips(tmp_path, monkeypatch):
+    """update_settings.py: SGLANG_OPT_FP8_WO_A_GEMM=0 while SGLang's default wo_a path cannot round-trip an online
+    update (C9), and always for an o_lora_rank below/off SGLang's 128-wide FP8 block (tiny-cpu: 64, C8)."""
+    from engines.rollout import update_settings
+    from engines.rollout.update_settings import wo_a_gemm_off_reason
+
+    (tmp_path / "config.json").write_text(json.dumps({"o_lora_rank": 64}))
+    tiny = SGLangServerSpec.from_preset(str(tmp_path), PRESET, PROFILE)
+    preset = SimpleNamespace(rollout=PRESET.rollout, hf_config=lambda: {"o_lora_rank": 1024})
+    flash = SGLangServerSpec.from_preset("/not/here", preset, PROFILE)  # the preset's config.json
+    assert (tiny.o_lora_rank, flash.o_lora_rank) == (64, 1024)
+    assert "not a multiple of SGLang's 128-wide FP8 block" in wo_a_gemm_off_reason(64)
+    assert "never restores it" in wo_a_gemm_off_reason(1024)
+    assert launch_env(tiny, base={})["SGLANG_OPT_FP8_WO_A_GEMM"] == "0" == launch_env(flash, base={})[
+        "SGLANG_OPT_FP8_WO_A_GEMM"]
+    overridden = SGLangServerSpec(model_path="/x", env={"SGLANG_OPT_FP8_WO_A_GEMM": "1"})  # a profile may set it
+    assert launch_env(overridden, base={})["SGLANG_OPT_FP8_WO_A_GEMM"] == "1"
+    monkeypatch.setattr(update_settings, "DEFAULT_WO_A_ROUND_TRIPS", True)
+    assert "SGLANG_OPT_FP8_WO_A_GEMM" not in launch_env(flash, base={})
+    assert launch_env(tiny, base={})["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the model's config.json"):
+        SGLangServerSpec.from_preset(str(tmp_path), PRESET, PROFILE)
 
 
 def test_engine_dp_is_attention_dp_and_replicas_are_dp_size():

@@ -210,3 +210,40 @@ def test_update_from_a_real_export_round_trip(tiny_checkpoint, updated, tmp_path
     with Serving(updated) as client:
         assert client.update_weights_from_disk(str(tmp_path / "hf-fp8"), weight_version="rt")["success"]
         assert check_fidelity(client, tiny_checkpoint).ok
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp8", pytest.param("fp4", marks=pytest.mark.slow)])
+def test_trainer_export_matches_the_rollout_start_format(tiny_base, tmp_path, expert_dtype):
+    """TrainRunConfig.rollout_expert_dtype: the rollout starts from the base re-stored in that expert format
+    (FP4 base -> FP8 converted once, logged) and the trainer exports in the same format, so its update is
+    accepted and passes the fidelity gate (conformance C10: SGLang started from FP4 experts refuses FP8 ones).
+    fp4 (the non-default setting) is `slow`: ~10 s more on an idle machine."""
+    from engines.train.actors import HTTPRollout, TrainerWorker
+    from engines.train.run import _rollout_start_weights
+
+    logged: list[str] = []
+    start, fresh = _rollout_start_weights(str(tiny_base), tmp_path / "run", expert_dtype, logged.append)
+    assert fresh and json.loads((start / "config.json").read_text())["expert_dtype"] == expert_dtype
+    assert json.loads((tiny_base / "config.json").read_text())["expert_dtype"] == "fp4"
+    assert ("converted once to FP8" if expert_dtype == "fp8" else "stay FP4") in logged[0]
+    trainer = TrainerWorker(str(tiny_base), {"rollout_expert_dtype": expert_dtype}, {}, str(tmp_path / "ckpts"))
+    with torch.no_grad():  # an update: every trained weight moves
+        for p in trainer.trainer.model.parameters():
+            if p.numel() > 1:
+                p.add_(1e-2 * p.float().std() * torch.randn_like(p))
+    export, other = tmp_path / "export", "fp4" if expert_dtype == "fp8" else "fp8"
+    trainer.export(str(export))
+    assert json.loads((export / "config.json").read_text())["expert_dtype"] == expert_dtype
+    trainer.trainer.config.rollout_expert_dtype = other
+    trainer.export(str(tmp_path / "other"))
+    with Serving(start, prefix_cache_entries=0) as client:
+        before = client.weights_checksums()
+        with pytest.raises(SGLangHTTPError, match=f"arrived as {other.upper()}"):  # refused, never misread
+            client.update_weights_from_disk(str(tmp_path / "other"))
+        assert client.weights_checksums() == before
+        HTTPRollout(client).load_weights(str(export), version="step-1")
+        assert check_fidelity(client, export, probe=probe_batch(trainer.cfg, n=1)).ok
+        after = client.weights_checksums()
+        assert sum(before[n] != after[n] for n in EXPERT_WEIGHTS) == len(EXPERT_WEIGHTS)  # experts took the update
+        stored = client.server_info()["internal_states"][0]["stored_tensors"]
+        assert stored.get("fp4", 0) == (len(EXPERT_WEIGHTS) if expert_dtype == "fp4" else 0)

@@ -53,6 +53,13 @@ def test_few_steps_change_weights_and_log_finite_metrics(tiny_base, tmp_path):
     assert any("experts" in k for k in changed) and any(".attn." in k for k in changed)
 
 
+def test_rollout_expert_dtype_is_checked_and_kept_out_of_old_configs(tiny_base):
+    with pytest.raises(ValueError, match="rollout_expert_dtype='bf16'.*choose one of fp8, fp4"):
+        _config(tiny_base, 1, rollout_expert_dtype="bf16")
+    assert "rollout_expert_dtype" not in _config(tiny_base, 1).to_dict()  # runs written before it resume unchanged
+    assert _config(tiny_base, 1, rollout_expert_dtype="fp4").to_dict()["rollout_expert_dtype"] == "fp4"
+
+
 def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_base, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     run_training(straight, _config(tiny_base, 4, use_ray=False), log=lambda m: None)

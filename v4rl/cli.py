@@ -86,6 +86,9 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                                        "set, math-verify for --eval-data) or any --reward value."),
           max_grader_error_ratio: float = typer.Option(0.25, help="Fraction of a step's samples whose reward may fail "
                                                                   "(scored 0, counted) before the run stops."),
+          rollout_expert_dtype: str = typer.Option("fp8", help="Routed experts as the rollout engine serves them and "
+                                                               "every weight update carries: fp8 (the base's FP4 "
+                                                               "experts converted once at the start, logged) or fp4."),
           ray: bool = typer.Option(True, help="Host trainer and rollout as Ray actors (loopback-only local cluster "
                                               "unless RAY_ADDRESS is set)."),
           tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write metrics and evals as "
@@ -103,6 +106,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
                                 metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
                                 reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
+                                rollout_expert_dtype=rollout_expert_dtype,
                                 loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                                 eval_interval=eval_interval, seed=seed,
                                                 dynamic_sampling=dynamic_sampling))

@@ -11,5 +11,7 @@
   sglang.py    the one client for both servers (timeouts, connect-only retries, error bodies)
   fidelity.py  the post-update gate (bit-exact probe logprobs + runtime checksums vs a fresh engine)
   launcher.py  real SGLang on Ray + NCCL/RCCL weight sync (GPU clusters)
+  fused_pairs.py      SGLang's fused weight pairs; distributed-update buckets that never split one
+  update_settings.py  SGLang settings every engine v4rl starts gets so updates round-trip (SGLANG_OPT_FP8_WO_A_GEMM)
   sampling.py  sampling primitives and the simple batched `generate` used by bootstrap/demo
 """

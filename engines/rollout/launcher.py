@@ -6,7 +6,9 @@ preset and the environment from a hardware profile, `build_launch_command` turns
 command line, and `launch_sglang_servers` starts one Ray actor per engine (num_gpus = tp_size), each
 running the server on its node and reporting its URL; the fleet is handed back only once every
 server answers /health, and is stopped (process groups killed) on any failure. The environment sets
-SGLANG_RETURN_ORIGINAL_LOGPROB=1 so real SGLang returns the RAW logprobs our embedded engine returns.
+SGLANG_RETURN_ORIGINAL_LOGPROB=1 so real SGLang returns the RAW logprobs our embedded engine returns, and
+SGLANG_OPT_FP8_WO_A_GEMM=0 while SGLang's default fp8 wo_a path cannot round-trip an online update
+(`update_settings.py`; the profile's env may set it back).
 
 Weight sync (SGLang 0.5.23's protocol, reference/miles-sglang-megatron.md §2.2, conformance.md B17): the
 trainer is rank 0 of a dedicated process group (TCP store at master_address:master_port, prefixed by the
@@ -33,6 +35,7 @@ the process-group protocol (gloo) are tested on CPU.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shlex
 import signal
@@ -45,6 +48,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +57,7 @@ from checkpoints.names import native_to_sglang_name
 from engines.engine_sources import sglang_version
 from engines.rollout.fused_pairs import update_buckets
 from engines.rollout.sglang import SGLangClient, SGLangError
+from engines.rollout.update_settings import wo_a_gemm_env
 
 
 @dataclass(kw_only=True)
@@ -82,8 +87,12 @@ class SGLangServerSpec:
     sglang_version: str | None = field(default_factory=sglang_version)
     """The SGLang version the servers must report (/server_info `version`): pyproject's `cluster` pin, the one the
     conformance suite checks v4rl against. A fleet running another is refused; None skips the check."""
+    o_lora_rank: int | None = None
+    """The served model's o_lora_rank (config.json; `from_preset` fills it): decides SGLANG_OPT_FP8_WO_A_GEMM
+    (update_settings.py). None: not known here, the setting is chosen as for a model the default path fails."""
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment (the profile's); wins over v4rl's SGLang settings."""
     python: str = sys.executable
 
     @classmethod
@@ -97,7 +106,8 @@ class SGLangServerSpec:
         fields: dict[str, Any] = dict(
             model_path=str(model_path), tp_size=r.engine_tp, ep_size=r.engine_ep, attn_dp_size=r.engine_dp,
             max_running_requests=r.max_running_requests, max_total_tokens=r.max_total_tokens,
-            context_length=r.context_length, mem_fraction_static=r.mem_fraction_static)
+            context_length=r.context_length, mem_fraction_static=r.mem_fraction_static,
+            o_lora_rank=_o_lora_rank(model_path, getattr(preset, "hf_config", None)))
         if profile is not None:
             fields["env"] = {**profile.comm_env, **profile.launcher_env}
             fields["python"] = profile.python
@@ -139,9 +149,22 @@ def build_launch_command(spec: SGLangServerSpec, *, host: str | None = None, por
     return cmd + list(spec.extra_args)
 
 
+def _o_lora_rank(model_path: str, preset_config: Any) -> int | None:
+    """o_lora_rank of the served model: its config.json when readable here, else the preset's config."""
+    path = Path(model_path) / "config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else (preset_config() if preset_config else {})
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the model's config.json ({exc}); fix or replace the file") from exc
+    rank = raw.get("o_lora_rank")
+    return int(rank) if rank is not None else None
+
+
 def launch_env(spec: SGLangServerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Process environment: the caller's, then the profile's, then RAW logprobs (as our engine returns)."""
+    """Process environment: the caller's, then the SGLang settings online updates need (update_settings.py),
+    then the profile's, then RAW logprobs (as our engine returns)."""
     env = dict(os.environ if base is None else base)
+    env.update(wo_a_gemm_env(spec.o_lora_rank))
     env.update(spec.env)
     env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     return env

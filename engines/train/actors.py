@@ -1,7 +1,8 @@
 """The two sides of a run as plain classes that Ray hosts as actors (engines/train/cluster.py places them):
 
   TrainerWorker   transformers trainer (BF16 autocast, fp32 master, AdamW): GRPO steps, weight export as an
-                  HF FP8 + FP4 directory, training checkpoints (torch_dist weights + optimizer/RNG/cursor).
+                  HF FP8 directory (routed experts as the rollout engine serves them), training checkpoints
+                  (torch_dist weights + optimizer/RNG/cursor).
   RolloutWorker   our rollout engine behind its SGLang-compatible HTTP server on 127.0.0.1; the driver talks
                   to it over real HTTP (HTTPRollout), exactly as it would talk to real SGLang.
 
@@ -59,14 +60,17 @@ class TrainerWorker:
         return self.trainer.grpo_step(samples, self.grpo)
 
     def export(self, path: str) -> None:
-        """Updated weights in the rollout format (HF FP8 linears + FP4 experts, UE8M0), written atomically."""
+        """Updated weights in the format the rollout engine serves (HF FP8 linears, UE8M0 scales, routed experts
+        as `TrainerConfig.rollout_expert_dtype`: the run's TrainRunConfig.rollout_expert_dtype, the format the
+        engine was started with), written atomically."""
         out = Path(path)
         with tempfile.TemporaryDirectory() as tok:
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (self.base_dir / name).exists():
                     shutil.copy(self.base_dir / name, tok)
-            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(), weight_format="fp8", expert_dtype="fp8",
-                               scale_fmt="ue8m0", tokenizer_dir=tok, overwrite=True)
+            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(), weight_format="fp8",
+                               expert_dtype=self.trainer.config.rollout_expert_dtype, scale_fmt="ue8m0",
+                               tokenizer_dir=tok, overwrite=True)
 
     def save(self, step: int, extra: dict) -> str:
         return str(save_training_checkpoint(self.checkpoint_root, step, self.cfg, self.trainer.native_state(),

@@ -32,8 +32,11 @@ DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
-NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto"}
+NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto",
+                      "rollout_expert_dtype": "fp8"}
 """Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
+EXPERT_DTYPES = ("fp8", "fp4")
+"""Routed-expert storage a rollout engine can serve (checkpoints.hf: FP8 128x128 blocks, FP4 E2M1 + UE8M0 1x32)."""
 ROLLOUT_API_KEY_ENV = "V4RL_ROLLOUT_API_KEY"
 """When set, the run's rollout server requires this key (SGLang's --api-key semantics) and the client sends it;
 it is read from the environment only, never written to config.json, metrics, events or logs."""
@@ -57,6 +60,13 @@ class TrainRunConfig:
     quantization_aware: bool = True
     """Trainer forwards with the FP8 weights the rollout serves (engines/train/fake_quant.py); without it the
     per-step updates are mostly rounded away on export and train/rollout logprobs drift apart (~0.2)."""
+    rollout_expert_dtype: str = "fp8"
+    """How routed experts are stored in what the rollout engine serves and in every weight update: fp8 (128x128
+    blocks, UE8M0 scales: the seed's FP8-expert repackage, SGLang's SGLANG_DSV4_FP4_EXPERTS=0) or fp4 (E2M1 +
+    UE8M0 per 1x32, how the bootstrap base stores them). Start and updates always agree: the rollout engine starts
+    from the base re-stored in this format (converted once, logged, when the base stores experts otherwise), the
+    trainer exports in it and its quantization-aware forward uses it. fp8 because FP4's power-of-two group scales
+    round small updates away or double a group's scale (see `_rollout_start_weights` for the measurements)."""
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(dynamic_sampling=False))
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
@@ -102,6 +112,9 @@ class TrainRunConfig:
         self.metric_sinks = check_sink_names(self.metric_sinks)
         self.reward = check_reward_spec(self.reward, "reward")
         self.eval_reward = check_reward_spec(self.eval_reward, "eval_reward")
+        if self.rollout_expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"rollout_expert_dtype={self.rollout_expert_dtype!r} is not a routed-expert storage the "
+                             f"rollout engine serves; choose one of {', '.join(EXPERT_DTYPES)}")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -214,11 +227,12 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
                         trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
                                         "recompute": config.recompute,
-                                        "quantization_aware": config.quantization_aware},
+                                        "quantization_aware": config.quantization_aware,
+                                        "rollout_expert_dtype": config.rollout_expert_dtype},
                         grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
                                      "dynamic_sampling": config.loop.dynamic_sampling},
                         seed=config.loop.seed)
-    serving, fresh = _rollout_start_weights(config.base, Path(run_dir))
+    serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})
     with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call):
         client = SGLangClient(rollout_url, api_key=api_key, timeout=config.call_timeout_s,
@@ -288,25 +302,36 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
 
 
-def _rollout_start_weights(base: str, run_dir: Path) -> tuple[Path, bool]:
-    """The directory the rollout engine starts from: the base with FP8 routed experts (the seed's FP8 repackage).
+def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
+                           log: Callable[[str], None] = print) -> tuple[Path, bool]:
+    """The directory the rollout engine starts from: the base with its routed experts stored as `expert_dtype`,
+    the format every later update carries (TrainRunConfig.rollout_expert_dtype). A base that stores experts
+    another way (the bootstrap base: FP4) is converted here, once per run, and the conversion is logged; the
+    engine refuses an update in another expert format, and so does SGLang (conformance C10).
 
-    Online updates re-quantize the trainer's fp32 master weights every step. FP4 experts with UE8M0 1x32
-    scales do not survive that: a group whose largest value sits on the top grid point (6 x scale) doubles
-    its power-of-two scale at the smallest upward move and loses half its resolution (measured here: mean
+    Why fp8 by default: online updates re-quantize the trainer's fp32 master weights every step. FP4 experts with
+    UE8M0 1x32 scales do not survive that: a group whose largest value sits on the top grid point (6 x scale)
+    doubles its power-of-two scale at the smallest upward move and loses half its resolution (measured: mean
     |Δlogprob| 0.19 after one lr-1e-4 step, vs 0.016 with FP8 experts). The seed ran the same way
-    (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage). Updates keep this format (the engine refuses a
-    change of expert dtype). Written once; a resumed run starts from its latest export instead (returns
-    (path, True) when written now).
+    (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage). Written once; a resumed run starts from its latest export
+    instead (returns (path, True) when written now).
     """
-    from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+    from checkpoints.hf import load_hf_checkpoint, read_config, save_hf_checkpoint
 
     current = run_dir / "weights" / "current"
     if (current / "config.json").exists():
         return current, False
+    stored = read_config(base)[1].get("expert_dtype") or "fp4"
     cfg, native = load_hf_checkpoint(base)
-    save_hf_checkpoint(current, cfg, native, weight_format="fp8", expert_dtype="fp8", scale_fmt="ue8m0",
+    save_hf_checkpoint(current, cfg, native, weight_format="fp8", expert_dtype=expert_dtype, scale_fmt="ue8m0",
                        tokenizer_dir=base, overwrite=True)
+    if stored != expert_dtype:
+        log(f"rollout start: the base {base} stores routed experts as {stored.upper()}; converted once to "
+            f"{expert_dtype.upper()} in {current} (rollout_expert_dtype={expert_dtype}), the format every weight "
+            "update of this run carries")
+    else:
+        log(f"rollout start: routed experts stay {expert_dtype.upper()} as the base stores them "
+            f"(rollout_expert_dtype={expert_dtype})")
     return current, True
 
 

@@ -48,7 +48,8 @@ class TrainerConfig:
     fp32 master; engines/train/fake_quant.py). Off: plain BF16, whose updates FP8 re-quantization mostly
     rounds away, so rollout lags the trainer."""
     rollout_expert_dtype: str = "fp8"
-    """Routed-expert format of the rollout weights the quantization-aware forward reproduces."""
+    """Routed-expert format of the rollout weights (fp8 | fp4): what the quantization-aware forward reproduces and
+    what the weight export writes (engines/train/actors.py), so both match the rollout engine's start format."""
     threads: int | None = None
     """Intra-op CPU threads while the trainer computes (set for each step and scoring call, restored after, so a
     rollout engine in the same process keeps its own setting). None: every core (os.cpu_count()). Ray gives an

@@ -152,7 +152,7 @@ def build_command(preset: RunPreset, job: MilesJob, *, site: Site | None = None,
     argv += T.grpo_args(preset) + T.wandb_args(job) + T.perf_args(preset) + T.eval_args(preset, job)
     argv += T.sglang_args(preset) + T.misc_args(preset, cluster, profile)
     argv += list(resume.extra_args if resume else ()) + list(job.extra_args)
-    env = job_env(preset, profile, site or Site(), job)
+    env = job_env(preset, profile, site or Site(), job, model_config=config)
     return MilesCommand(argv=argv, env=env, miles_dir=job.miles_dir)
 
 

@@ -6,14 +6,20 @@ NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME and NCCL_DEBUG* there (conformance A10); 
 network (TP_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX) and the seed's RCCL settings there too.
 
 Layers, later wins: Miles' base (what `execute_train` always sets), the profile's Miles launcher env (SGLang
-kernel switches), the deterministic-mode variables, the profile's collective settings and the seed's
+kernel switches), the SGLang settings online updates need (engines/rollout/update_settings.py:
+SGLANG_OPT_FP8_WO_A_GEMM=0, because SGLang's default fp8 wo_a path does not survive an update and needs
+o_lora_rank % 128 == 0; Miles' AMD launcher leaves the default, its CUDA launcher sets 0), the deterministic-mode
+variables, the profile's collective settings and the seed's
 `--extra-env-vars` (flight recorder, transport tuning), the site's network, the job's extras, PYTHONPATH.
 Values are strings kept whole: nothing is ever split on whitespace (conformance A12).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from engines.rollout.update_settings import wo_a_gemm_env
 
 if TYPE_CHECKING:
     from engines.profiles import HardwareProfile
@@ -25,14 +31,17 @@ DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0
 """Miles' launcher adds these with --deterministic-mode (Megatron asserts NCCL_ALGO is one it knows)."""
 
 
-def job_env(preset: "RunPreset", profile: "HardwareProfile", site: "Site", job: "MilesJob") -> dict[str, str]:
-    """Every variable of the job's Ray runtime env; unset site values render as ${VAR} (launch plans)."""
+def job_env(preset: "RunPreset", profile: "HardwareProfile", site: "Site", job: "MilesJob",
+            model_config: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Every variable of the job's Ray runtime env; unset site values render as ${VAR} (launch plans).
+    `model_config` is the model's config.json (its o_lora_rank decides SGLang's wo_a setting; None: unknown)."""
     master = site.resolved_master_addr or "${MASTER_ADDR}"
     env = {"PYTHONUNBUFFERED": "1",
            # Megatron asserts 1 with TP or CP > 1: kernels must queue in issue order for comm/compute overlap
            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "no_proxy": f"127.0.0.1,{master}", "MASTER_ADDR": master}
     env.update(profile.miles_env)
+    env.update(wo_a_gemm_env((model_config or {}).get("o_lora_rank")))
     if preset.miles.deterministic:
         env.update(DETERMINISTIC_ENV)
     env.update(profile.comm_env)

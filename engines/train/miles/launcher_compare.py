@@ -53,6 +53,10 @@ ALLOWED: dict[tuple[str, str], str] = {
        for key in ("NCCL_IB_GID_INDEX", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE",
                    "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DESYNC_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "GPU_MAX_HW_QUEUES", "NCCL_P2P_NET_CHUNKSIZE")},
+    # conformance C8/C9: SGLang's default fp8 wo_a path does not survive an online update (the reshaped scale is
+    # never restored) and needs o_lora_rank % 128 == 0; Miles' CUDA launcher sets 0 too, its AMD one leaves it
+    ("env", "SGLANG_OPT_FP8_WO_A_GEMM"): "engines/rollout/update_settings.py: 0 so online updates reproduce a "
+                                         "fresh load (conformance C9)",
     # conformance A10: the launcher forwards only NCCL/GLOO_SOCKET_IFNAME; v4rl gives every rank the site network
     ("env", "TP_SOCKET_IFNAME"): "Site.network_env: in the runtime env for every rank (conformance A10)",
     ("env", "NCCL_IB_HCA"): "Site.network_env: in the runtime env for every rank (conformance A10)",
