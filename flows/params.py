@@ -96,6 +96,10 @@ class PipelineParams(BaseModel):
                                                           "check; None: $V4RL_MILES_DIR or the pinned tarball.")
     megatron_check_dir: str | None = Field(None, description="Megatron-LM checkout on this host for that check; "
                                                              "None: $V4RL_MEGATRON_DIR or the pinned tarball.")
+    sglang_check_dir: str | None = Field(None, description="SGLang source on this host (the directory holding "
+                                         "`sglang/`) the cluster runs: preflight builds its DeepSeek-V4 model on CPU "
+                                         "and refuses the run when an online update does not reproduce a fresh load "
+                                         "(3-5 min); None: not checked.")
     align_sglang_url: str | None = Field(None, description="SGLang server serving hf_checkpoint for the cluster "
                                          "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
                                          "on the Ray cluster for the gate and stopped before Megatron rescores.")
