@@ -1,5 +1,5 @@
-"""The rl-pipeline preflight's and `v4rl plan`'s handling of the SGLang model check (engines/rollout/sglang_preflight.py),
-with the check's result given: a run whose own mode does not round-trip is refused naming the parameter and the
+"""The rl-pipeline preflight's and `v4rl plan`'s handling of the SGLang model check
+(engines/rollout/sglang_preflight.py), with the check's result given: a run whose own mode does not round-trip is refused naming the parameter and the
 setting; a bad --sglang-dir is one line naming the fix. The check itself (SGLang's model on CPU) is tested in
 tests/conformance/test_plan_sglang.py.
 

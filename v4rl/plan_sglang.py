@@ -17,7 +17,8 @@ __all__ = ["check", "print_check"]
 def print_check(result: SGLangModelCheck) -> None:
     typer.echo(f"SGLang model check ({result.sglang}), one {result.update_kind} update vs a fresh load:")
     for label, mode in result.modes.items():
-        verdict = "round-trips" if mode["round_trips"] else ("does not round-trip" if mode["loads"] else "fails to load")
+        verdict = "round-trips" if mode["round_trips"] else \
+            ("does not round-trip" if mode["loads"] else "fails to load")
         line = f"  {label}: {verdict}" + (f" — {mode['reason']}" if mode["reason"] else "")
         typer.secho(line, fg=typer.colors.GREEN if mode["round_trips"] else
                     (typer.colors.RED if label == result.run_mode else typer.colors.YELLOW))

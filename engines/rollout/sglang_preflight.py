@@ -101,7 +101,8 @@ def _o_lora_rank(eff) -> int | None:
 def summary(result: SGLangModelCheck) -> str:
     """One line: the verdict, the setting and (when refused) the parameter SGLang's update got wrong."""
     if result.ok:
-        return f"SGLang ({result.sglang}) reproduces a fresh load after a {result.update_kind} update with {result.run_mode}"
+        return (f"SGLang ({result.sglang}) reproduces a fresh load after a {result.update_kind} update with "
+                f"{result.run_mode}")
     return (f"with {result.run_mode}, an online {result.update_kind} update in SGLang ({result.sglang}) does not "
             f"reproduce a fresh load: {result.modes[result.run_mode]['reason']}; rollouts after the first update would "
             "run on other weights than trained. Fix that SGLang or change the setting before submitting")

@@ -170,7 +170,8 @@ EXPECTED_FAILURE = {"wo_a-fp8": "wo_a.weight_scale_inv: shape [2, 1, 1] after re
 @pytest.fixture(scope="module")
 def matrix(sglang_paths, tmp_path_factory) -> dict[str, CaseResult]:
     root = tmp_path_factory.mktemp("sglang-matrix")
-    pairs = {(False, "fp4"): tiny_checkpoints(root, "fp4"), (False, "fp8"): tiny_checkpoints(root, "fp8", expert_dtype="fp8"),
+    pairs = {(False, "fp4"): tiny_checkpoints(root, "fp4"),
+             (False, "fp8"): tiny_checkpoints(root, "fp8", expert_dtype="fp8"),
              (True, "fp4"): tiny_checkpoints(root, "o128-fp4", o_lora_rank=128),
              (True, "fp8"): tiny_checkpoints(root, "o128-fp8", o_lora_rank=128, expert_dtype="fp8")}
     modes = {"wo_a-bf16": BF16_WO_A, "wo_a-fp8": FP8_WO_A, "ue8m0": UE8M0}
