@@ -12,7 +12,7 @@ shape or value), fed the checkpoints v4rl writes.
     parameter and the assertion), so a fixed SGLang turns it into a pass (strict xfail: an unexpected pass fails
     and says to update the table).
 
-The default run covers every mode once (about 3-4 min on 2 cores, < 1.5 GB); `-m slow` adds the whole matrix
+The default run covers every mode once (141 s measured on 2 cores, < 1 GB); `-m slow` adds the whole matrix
 (both expert formats x both update kinds x every mode). SGLang's source: engines.engine_sources.sglang_paths()
 or $V4RL_SGLANG_DIR; skipped with the reason when neither is there.
 
