@@ -117,6 +117,10 @@ class PipelineParams(BaseModel):
     dsv4_impl: str = Field("miles", pattern=r"^(miles|megatron)$",
                            description="--dsv4-impl for a generation-2 Miles: miles (plugin attention, TP allowed) "
                                        "or megatron (Megatron's dsv4_hybrid; TP 1).")
+    sglang_check_dir: str | None = Field(None, description="SGLang source on this host (the directory holding "
+                                         "`sglang/`) the cluster runs: preflight builds its DeepSeek-V4 model on CPU "
+                                         "and refuses the run when an online update does not reproduce a fresh load "
+                                         "(3-5 min); None: not checked.")
     align_sglang_url: str | None = Field(None, description="SGLang server serving hf_checkpoint for the cluster "
                                          "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
                                          "on the Ray cluster for the gate and stopped before Megatron rescores.")

@@ -135,6 +135,7 @@ def _miles(p: PipelineParams) -> dict | None:
     site, job = p.site(), p.miles_job()
     return {"preset": p.preset, "site": dataclasses.asdict(site), "job": dataclasses.asdict(job),
             "overrides": p.miles_overrides(), "miles_dir": p.miles_check_dir, "megatron_dir": p.megatron_check_dir,
+            "sglang_dir": p.sglang_check_dir,
             "run_dir": str(p.run_dir), "eval_interval": p.eval_interval, "align_sglang_url": p.align_sglang_url}
 
 

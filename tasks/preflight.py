@@ -20,7 +20,8 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
               eval_reward: str = "auto", miles: dict | None = None, input_key: str = "prompt",
               label_key: str = "label") -> dict:
     """`miles` (cluster presets): {"site": Site fields, "job": MilesJob fields, "overrides": preset overrides,
-    "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones)}."""
+    "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones),
+    "sglang_dir": the SGLang source the cluster runs, checked on CPU for online-update fidelity (None: skipped)}."""
     from engines.launch import preflight_plan
     from rl.math_task import make_splits
 
@@ -49,7 +50,21 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
         out[f"{what}_cases_checked"] = _check_reward(spec, what, path, synthetic, input_key, label_key)
     if miles is not None:
         out["miles"] = _check_miles_job(preset, miles)
+    if (miles or {}).get("sglang_dir"):
+        out["sglang_model"] = _check_sglang_model(preset, miles)
     return out
+
+
+def _check_sglang_model(preset: str, miles: dict) -> dict:
+    """The SGLang the cluster will run, on CPU: one update in the job's setting must reproduce a fresh load
+    (engines/rollout/sglang_preflight.py); SGLangUpdateRejected (not retried) naming the parameter when not."""
+    from engines.rollout.sglang_preflight import SGLangUpdateRejected, check, summary
+
+    result = check(preset, miles.get("overrides") or {}, miles["sglang_dir"])
+    if not result.ok:
+        raise SGLangUpdateRejected(summary(result))
+    get_run_logger().info(summary(result))
+    return result.to_json()
 
 
 def _check_reward(spec: str, what: str, data_file: str, synthetic: dict, input_key: str = "prompt",

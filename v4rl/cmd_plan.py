@@ -90,6 +90,10 @@ def plan(
                                                 "(default 5: a parallel file system for one job)."),
     no_save_optim: bool = typer.Option(False, "--no-save-optim",
                                        help="Cost saves without the optimizer state (Miles' --no-save-optim)."),
+    sglang_dir: Optional[str] = typer.Option(None, help="Build this SGLang's DeepSeek-V4 model on CPU (the directory "
+                                             "holding `sglang/`): one update of --sglang-update kind must reproduce "
+                                             "a fresh load in the job's setting (3-5 min)."),
+    sglang_update: str = typer.Option("disk", help="Update kind for --sglang-dir: disk | distributed."),
 ) -> None:
     """Check a parallel layout (Megatron + SGLang rules, per-GPU memory, traffic); exit 0 feasible, 2 not."""
     from engines.launch import preflight_plan, resolve
@@ -141,6 +145,7 @@ def plan(
 
         costs = plan_cost.cost_json(preset, overrides, storage_gb_per_s=storage_gb_per_s,
                                     save_optim=not no_save_optim) if cluster else None
+        sglang_check = _sglang_check(preset, overrides, sglang_dir, sglang_update) if sglang_dir else None
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
@@ -149,6 +154,8 @@ def plan(
         raise typer.Exit(code=BAD_INPUT)
     code = FEASIBLE if result.feasible else INFEASIBLE
     if (check is not None and not check.ok) or (comparison is not None and not comparison.ok):
+        code = INFEASIBLE
+    if sglang_check is not None and not sglang_check.ok:
         code = INFEASIBLE
     if json_out or launch:
         obj: dict[str, Any] = result.to_json() if json_out else {}
@@ -162,6 +169,8 @@ def plan(
             obj["launcher_comparison"] = comparison.to_json()
         if costs is not None and json_out:
             obj["storage_cost"] = costs
+        if sglang_check is not None:
+            obj["sglang_model_check"] = sglang_check.to_json()
         if launch_obj is not None:
             obj = {**obj, "launch": launch_obj} if json_out else launch_obj
         typer.echo(json.dumps(obj, indent=1))
@@ -177,7 +186,20 @@ def plan(
             plan_miles.print_check(check)
         if comparison is not None:
             plan_miles.print_comparison(comparison)
+        if sglang_check is not None:
+            from v4rl import plan_sglang
+
+            plan_sglang.print_check(sglang_check)
     raise typer.Exit(code=code)
+
+
+def _sglang_check(preset: str, overrides: dict, sglang_dir: str, update: str):
+    """The user's SGLang model on a tiny model of the run's format (v4rl/plan_sglang.py)."""
+    from v4rl import plan_sglang
+
+    if update not in ("disk", "distributed"):
+        raise ValueError(f"--sglang-update must be disk or distributed (got {update!r})")
+    return plan_sglang.check(preset, overrides, sglang_dir, update_kind=update)  # type: ignore[arg-type]
 
 
 def _eval_pairs(items: list[str]) -> list[tuple[str, str]] | None:
