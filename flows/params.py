@@ -22,6 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_BASE = REPO / "tests" / "assets" / "tiny-base"
 
 
+_SEED_RUN = dict(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, n_eval=30, eval_samples=8, lr=1e-6,
+                 hf_checkpoint="/data/DeepSeek-V4-Flash-FP8")
+PRESET_PARAMS: dict[str, dict] = {
+    "dsv4-flash-mi355x": _SEED_RUN, "dsv4-flash-mi355x-1node": _SEED_RUN, "dsv4-flash-mi355x-32gpu": _SEED_RUN}
+"""Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's); DESIGN.md Presets."""
+
+
 class PipelineParams(BaseModel):
     """What one rl-pipeline run does. Field descriptions show in the Prefect UI's run form.
 
@@ -124,6 +131,22 @@ class PipelineParams(BaseModel):
     align_sglang_url: str | None = Field(None, description="SGLang server serving hf_checkpoint for the cluster "
                                          "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
                                          "on the Ray cluster for the gate and stopped before Megatron rescores.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_fills_the_rest(cls, data):
+        """Fields left out take the preset's values, not tiny-cpu's: `{"preset": "dsv4-flash-mi355x", "ray_address":
+        ...}` (what `prefect deployment run -p params=...` sends, since it replaces the whole object) is the seed's
+        run, not 20 tiny-cpu steps at lr 1e-4 under the run key "tiny-cpu"."""
+        if not isinstance(data, dict) or not isinstance(data.get("preset"), str):
+            return data
+        from engines.run_presets import preset_name
+
+        try:
+            name = preset_name(data["preset"])
+        except ValueError:
+            return data  # the field validator reports it, naming the closest preset
+        return {"run_key": name, **PRESET_PARAMS.get(name, {}), **data}
 
     @field_validator("preset", mode="before")
     @classmethod
@@ -299,11 +322,8 @@ class PipelineParams(BaseModel):
 
     @classmethod
     def preset_defaults(cls, name: str, **overrides) -> "PipelineParams":
-        base: dict = {"preset": name, "run_key": name}
-        if name.startswith("dsv4-flash-mi355x"):  # the seed's run (DESIGN.md Presets)
-            base.update(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, n_eval=30, eval_samples=8,
-                        lr=1e-6, hf_checkpoint="/data/DeepSeek-V4-Flash-FP8")
-        return cls.model_validate({**base, **overrides})
+        """The preset's run (PRESET_PARAMS over the field defaults; run_key: the preset's name) with overrides."""
+        return cls.model_validate({"preset": name, **overrides})
 
     @property
     def run_dir(self) -> Path:
