@@ -1,0 +1,315 @@
+"""Builds Miles' OWN DeepSeek-V4 Megatron model on CPU (or the meta device) and reports on it. Never imported by v4rl.
+
+The body of a subprocess started by engines/train/miles/model_check.py (engines.engine_sources.engine_python):
+Megatron-LM first on sys.path, then Miles and SGLang's source, with `probes/standins/` (TransformerEngine's
+module structure) ahead of them and GPU-only modules stubbed where their import fails. It runs, in order:
+
+  1. Miles' own `parse_args` on `argv` (the model flags v4rl derives from config.json + a CPU training setup),
+     with torch.cuda's device queries answering as the target accelerator;
+  2. single-rank gloo + Miles' `_initialize_distributed` (Megatron's parallel state), Megatron's `get_model` on
+     Miles' model provider and `--spec` (on the meta device when `meta`; the GPU materialisation is skipped);
+  3. `keys`: `sharded_state_dict()` -> {key: [global shape, dtype]} of every ShardedTensor, and the TE
+     `_extra_state` objects listed apart;
+  4. `load`: every parameter and buffer filled with a sentinel, Miles' own `load_checkpoint` on `load_dir`; the
+     names still at the sentinel and every stdout line saying `will skip` are reported;
+  5. `forward`: with the numeric kernel stand-ins of `kernels` (a module path: tests/conformance/
+     miles_kernels.py) installed, one forward of `tokens`; per-layer sub-block outputs (forward hooks) and the
+     final logits are saved to `out_dir/forward.pt`.
+
+The request is a JSON file (keys above); the answer is one JSON line after the marker line.
+
+    python model_probe.py request.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+MARKER = "=== v4rl model probe ==="
+SENTINEL = 12345.0
+"""A value no loaded weight has (bf16 represents it exactly): whatever still holds it after a load was not loaded."""
+
+
+# ------------------------------------------------------------------------------------------- CPU set-up
+def patch_device(device: dict) -> None:
+    """Answer torch.cuda's queries as the target accelerator, and send CUDA tensor factories to the CPU.
+
+    Megatron asks the device what it is (validate_args, capability checks) and allocates some tensors with
+    `device=torch.cuda.current_device()`; on a CPU machine those tensors live on the CPU instead.
+    """
+    import torch
+
+    props = type("DeviceProperties", (), {"name": device["name"], "total_memory": int(device["total_memory"]),
+                                          "major": device["capability"][0], "minor": device["capability"][1],
+                                          "multi_processor_count": device.get("multi_processor_count", 0)})
+    torch.cuda.get_device_capability = lambda *a, **k: tuple(device["capability"])
+    torch.cuda.get_device_properties = lambda *a, **k: props()
+    torch.cuda.get_device_name = lambda *a, **k: device["name"]
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.manual_seed = lambda *a, **k: None
+    torch.cuda.manual_seed_all = lambda *a, **k: None
+    torch.cuda.Stream = _HostStream
+    torch.cuda.Event = _HostEvent
+    torch.cuda.current_stream = lambda *a, **k: _HostStream()
+    torch.cuda.default_stream = lambda *a, **k: _HostStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
+    def on_cpu(factory):
+        def made(*args, **kwargs):
+            dev = kwargs.get("device")
+            if dev is not None and (isinstance(dev, int) or "cuda" in str(dev)):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return made
+
+    for name in ("empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint", "empty_like",
+                 "zeros_like", "ones_like", "full_like", "as_tensor", "linspace", "eye"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    to = torch.Tensor.to
+
+    def to_cpu(self, *args, **kwargs):
+        args = tuple("cpu" if (isinstance(a, torch.device) and a.type == "cuda") or
+                     (isinstance(a, str) and a.startswith("cuda")) else a for a in args)
+        if "device" in kwargs and "cuda" in str(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = to_cpu
+
+
+class _HostStream:
+    """A CUDA stream on a CPU machine: work is already in order, so waiting and recording do nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostEvent(_HostStream):
+    """A CUDA event on a CPU machine (already complete)."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+def init_single_rank(tmp: str) -> None:
+    """A one-process gloo group through a file store (no port)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+
+
+def parse(argv: list[str], cache: str | None = None):
+    """Miles' own parse_args on argv (Megatron's parser + Miles' arguments + both validations).
+
+    `cache`: a pickle of the namespace parse_args returned for the same argv and trees (written when absent):
+    parsing imports SGLang and takes most of a build's time, and several builds of one model share it."""
+    import pickle
+
+    if cache and Path(cache).is_file():
+        cached = pickle.loads(Path(cache).read_bytes())
+        if cached["argv"] == argv:
+            return cached["args"]
+    sys.argv = ["train.py", *argv]
+    from miles.utils.arguments import parse_args
+
+    args = parse_args()
+    if cache:
+        tmp = Path(cache).with_suffix(".partial")
+        tmp.write_bytes(pickle.dumps({"argv": argv, "args": args}))
+        os.replace(tmp, cache)
+    return args
+
+
+def build(args, *, meta: bool):
+    """Megatron's get_model over Miles' model provider (the --spec), without DDP; meta stays meta."""
+    import megatron.training.training as training
+    from megatron.core.enums import ModelType
+    from megatron.training.global_vars import set_args
+
+    from miles.backends.megatron_utils import initialize
+    from miles.backends.megatron_utils.model_provider import get_model_provider_func
+
+    set_args(args)
+    initialize._initialize_distributed(args)
+    from megatron.core import tensor_parallel
+
+    import torch
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    # Megatron keeps per-parallel-group CUDA RNG states; on the CPU they are CPU generator states.
+    megatron_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+    megatron_random._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    if meta:  # get_model materialises a meta model on the GPU; here it stays on the meta device
+        training.to_empty_if_meta_device = lambda module, device=None: module
+    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
+
+    args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args)
+    return training.get_model(get_model_provider_func(args), ModelType.encoder_or_decoder, wrap_with_ddp=False)
+
+
+# ------------------------------------------------------------------------------------------------- reports
+def sharded_keys(model) -> dict:
+    """{key: [global shape, dtype]} of the ShardedTensors the model asks a checkpoint for; objects apart."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    sd = model[0].sharded_state_dict()
+    apply_factories(sd)  # e.g. linear_fc1 -> its gate and up chunks, as the loader sees them
+    tensors, objects = {}, []
+    for value in nested_values(sd):
+        if isinstance(value, ShardedTensor):
+            tensors[value.key] = [list(value.global_shape), str(value.dtype).replace("torch.", "")]
+        elif isinstance(value, ShardedObject):
+            objects.append(value.key)
+        else:
+            tensors.setdefault(getattr(value, "key", repr(type(value))), ["?", type(value).__name__])
+    params = sum(p.numel() for p in model[0].parameters())
+    return {"tensors": tensors, "objects": sorted(set(objects)), "parameters": int(params)}
+
+
+def load_and_check(model, args, load_dir: str) -> dict:
+    """Sentinel everywhere, then Miles' own load_checkpoint; what stayed at the sentinel and what it skipped."""
+    import torch
+
+    from miles.backends.megatron_utils.checkpoint import load_checkpoint
+
+    module = model[0]
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_floating_point():
+                tensor.fill_(SENTINEL)
+            elif tensor.dtype in (torch.int32, torch.int64):
+                tensor.fill_(int(SENTINEL))
+    args.load = load_dir
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        iteration, _ = load_checkpoint(model, None, None, checkpointing_context={}, skip_load_to_model_and_opt=False)
+    text = log.getvalue()
+    sys.stderr.write(text[-20000:])
+    at_sentinel = []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.numel() and (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
+            if bool((tensor.double() == SENTINEL).all()):
+                at_sentinel.append(name)
+    skipped = [line.strip() for line in text.splitlines() if "will skip" in line]
+    return {"iteration": int(iteration), "at_sentinel": at_sentinel, "will_skip": skipped,
+            "loaded_params": sum(1 for _ in module.parameters()) - len(at_sentinel)}
+
+
+def forward(model, tokens: list[list[int]], out_dir: str) -> dict:
+    """One forward with per-layer sub-block outputs captured by hooks; saved as out_dir/forward.pt."""
+    import torch
+
+    from forward_hooks import capture  # probes/forward_hooks.py, beside this file
+
+    module = model[0]
+    module.eval()
+    ids = torch.tensor(tokens, dtype=torch.long)
+    B, S = ids.shape
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+    with torch.no_grad(), capture(getattr(module, "module", module), B, S) as trace:
+        logits = module(input_ids=ids, position_ids=position_ids, attention_mask=None)
+    logits = logits.float()
+    path = Path(out_dir) / "forward.pt"
+    torch.save({"trace": trace, "logits": logits}, path)
+    return {"forward": str(path), "logits_shape": list(logits.shape)}
+
+
+_T0 = None
+
+
+def _mark(what: str) -> None:
+    """Stage timings on stderr (the caller shows them when a build is slow)."""
+    import time
+
+    global _T0
+    _T0 = _T0 or time.time()
+    sys.stderr.write(f"[model_probe] {what} at {time.time() - _T0:.1f}s\n")
+
+
+def probe(request: dict) -> dict:
+    answer: dict = {"ok": False, "stage": "import"}
+    with tempfile.TemporaryDirectory(prefix="v4rl-model-probe-") as tmp:
+        try:
+            patch_device(request["device"])
+            init_single_rank(tmp)
+            kernels: dict = {}
+            if request.get("kernels"):  # numeric stand-ins of the GPU kernels (forwards only)
+                import runpy
+
+                kernels = runpy.run_path(request["kernels"], run_name="miles_kernels")
+            answer["stage"] = "parse"
+            _mark("start")
+            args = parse(request["argv"], request.get("args_cache"))
+            _mark("parsed")
+            answer["stage"] = "build"
+            model = build(args, meta=bool(request.get("meta")))
+            _mark("built")
+            if "patch_miles_kernels" in kernels:
+                answer["patched_kernels"] = kernels["patch_miles_kernels"]()
+            answer["padded_vocab_size"] = int(args.padded_vocab_size)
+            if "keys" in request["do"]:
+                answer["stage"] = "keys"
+                answer["keys"] = sharded_keys(model)
+            if "load" in request["do"]:
+                answer["stage"] = "load"
+                answer["load"] = load_and_check(model, args, request["load_dir"])
+            if "forward" in request["do"]:
+                answer["stage"] = "forward"
+                answer["forward"] = forward(model, request["tokens"], request["out_dir"])
+            answer["ok"] = True
+        except BaseException as exc:  # report every failure with its stage; the caller names the fix
+            answer["error"] = f"{type(exc).__name__}: {exc}"
+            answer["traceback"] = traceback.format_exc()[-6000:]
+    return answer
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    with open(sys.argv[1]) as f:
+        req = json.load(f)
+    result = probe(req)
+    stubs = sys.modules.get("engine_stubs")
+    result["stubbed"] = sorted(set(getattr(stubs, "STUBBED", [])))
+    print(MARKER)
+    print(json.dumps(result))
