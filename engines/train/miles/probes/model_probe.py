@@ -10,11 +10,14 @@ module structure) ahead of them and GPU-only modules stubbed where their import 
      Miles' model provider and `--spec` (on the meta device when `meta`; the GPU materialisation is skipped);
   3. `keys`: `sharded_state_dict()` -> {key: [global shape, dtype]} of every ShardedTensor, and the TE
      `_extra_state` objects listed apart;
-  4. `load`: every parameter and buffer filled with a sentinel, Miles' own `load_checkpoint` on `load_dir`; the
-     names still at the sentinel and every stdout line saying `will skip` are reported;
-  5. `forward`: with the numeric kernel stand-ins of `kernels` (a module path: tests/conformance/
-     miles_kernels.py) installed, one forward of `tokens`; per-layer sub-block outputs (forward hooks) and the
-     final logits are saved to `out_dir/forward.pt`.
+  4. for each of `load_dirs`: every parameter and buffer filled with a sentinel, then Miles' own
+     `load_checkpoint` on that dir (release or numbered layout); the names still at the sentinel and every stdout
+     line saying `will skip` are reported;
+  5. `forward` (after the loads, with the numeric kernel stand-ins of `kernels` installed, a module path such as
+     tests/conformance/miles_kernels.py): one forward of `tokens`, per-layer sub-block outputs captured by
+     forward hooks (forward_hooks.py) and the fp32 logits saved to `out_dir/forward-clean.pt`; then for each of
+     `faults` ({"name", "param": a parameter-name suffix, "op": roll | swap | zero | negate, "index"}) the same
+     forward with that one parameter changed, saved to `out_dir/forward-<name>.pt`.
 
 The request is a JSON file (keys above); the answer is one JSON line after the marker line.
 
@@ -236,8 +239,8 @@ def load_and_check(model, args, load_dir: str) -> dict:
             "loaded_params": sum(1 for _ in module.parameters()) - len(at_sentinel)}
 
 
-def forward(model, tokens: list[list[int]], out_dir: str) -> dict:
-    """One forward with per-layer sub-block outputs captured by hooks; saved as out_dir/forward.pt."""
+def forward(model, tokens: list[list[int]], path: Path) -> str:
+    """One forward with per-layer sub-block outputs captured by hooks; saved as `path` (trace + fp32 logits)."""
     import torch
 
     from forward_hooks import capture  # probes/forward_hooks.py, beside this file
@@ -249,10 +252,39 @@ def forward(model, tokens: list[list[int]], out_dir: str) -> dict:
     position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
     with torch.no_grad(), capture(getattr(module, "module", module), B, S) as trace:
         logits = module(input_ids=ids, position_ids=position_ids, attention_mask=None)
-    logits = logits.float()
-    path = Path(out_dir) / "forward.pt"
-    torch.save({"trace": trace, "logits": logits}, path)
-    return {"forward": str(path), "logits_shape": list(logits.shape)}
+    torch.save({"trace": trace, "logits": logits.float()}, path)
+    return str(path)
+
+
+def plant(module, fault: dict):
+    """Change one loaded parameter as a fault would (the checkpoint Miles loads differs there); returns undo."""
+    import torch
+
+    params = dict(module.named_parameters())
+    matches = [n for n in params if n.endswith(fault["param"])]
+    if len(matches) != 1:
+        raise KeyError(f"fault {fault['name']}: parameter ending {fault['param']!r} matches {matches}")
+    param = params[matches[0]]
+    saved = param.detach().clone()
+    with torch.no_grad():
+        if fault["op"] == "roll":  # e.g. the hash table shifted by one token
+            param.copy_(torch.roll(saved, shifts=1, dims=0))
+        elif fault["op"] == "swap":  # two entries of a small vector exchanged (e.g. mHC alphas)
+            i, j = fault["index"]
+            value = saved.clone()
+            value[i], value[j] = saved[j], saved[i]
+            param.copy_(value)
+        elif fault["op"] == "zero":
+            param.zero_()
+        elif fault["op"] == "negate":
+            param.copy_(-saved)
+        else:
+            raise ValueError(f"fault {fault['name']}: unknown op {fault['op']!r}")
+
+    def undo():
+        with torch.no_grad():
+            param.copy_(saved)
+    return undo
 
 
 _T0 = None
@@ -291,12 +323,23 @@ def probe(request: dict) -> dict:
             if "keys" in request["do"]:
                 answer["stage"] = "keys"
                 answer["keys"] = sharded_keys(model)
-            if "load" in request["do"]:
-                answer["stage"] = "load"
-                answer["load"] = load_and_check(model, args, request["load_dir"])
+            answer["loads"] = []
+            for load_dir in request.get("load_dirs", []):
+                answer["stage"] = f"load {load_dir}"
+                answer["loads"].append({"dir": load_dir, **load_and_check(model, args, load_dir)})
             if "forward" in request["do"]:
                 answer["stage"] = "forward"
-                answer["forward"] = forward(model, request["tokens"], request["out_dir"])
+                out = Path(request["out_dir"])
+                answer["forwards"] = {"clean": forward(model, request["tokens"], out / "forward-clean.pt")}
+                module = getattr(model[0], "module", model[0])
+                for fault in request.get("faults", []):
+                    answer["stage"] = f"forward with fault {fault['name']}"
+                    undo = plant(module, fault)
+                    try:
+                        answer["forwards"][fault["name"]] = forward(model, request["tokens"],
+                                                                    out / f"forward-{fault['name']}.pt")
+                    finally:
+                        undo()
             answer["ok"] = True
         except BaseException as exc:  # report every failure with its stage; the caller names the fix
             answer["error"] = f"{type(exc).__name__}: {exc}"
