@@ -57,7 +57,7 @@ from checkpoints.hf_stream import (
     row_slice,
 )
 from checkpoints.manifest import AtomicOutput, is_complete, manifest_key, source_manifest
-from checkpoints.names import placement
+from checkpoints.names import MegatronNames, megatron_column, placements
 from checkpoints.megatron_io import import_megatron, megatron_load, megatron_tensor_metadata, single_rank_process_group
 from checkpoints.torch_dist import (
     IGNORED_KEY_PREFIXES,
@@ -71,6 +71,8 @@ from checkpoints.torch_dist import (
     check_storage_bounds,
     hf_config_of,
     mark_release,
+    read_dcp_metadata,
+    stored_megatron_names,
     megatron_specs,
     resolve_iteration_dir,
     sync_files,
@@ -107,6 +109,8 @@ class _ConvertJob:
     out: str
     pieces: tuple[_Piece, ...]
     n_experts: int
+    column: str
+    """checkpoints/names.py column of the Megatron names written (megatron_column(names))."""
 
 
 def _convert_job(job: _ConvertJob) -> list[ChunkRecord]:
@@ -125,13 +129,14 @@ def _convert_job(job: _ConvertJob) -> list[ChunkRecord]:
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise ConversionError(f"{where}: cannot decode ({exc})") from exc
             check_finite(out, where)
-            p = placement(t.native, piece.full.shape, "megatron", job.n_experts)
-            offsets = (p.offsets[0] + piece.first_row, *p.offsets[1:])
-            sizes = p.sizes if t.shape == piece.full.shape else t.shape  # a row piece of a whole tensor
-            try:
-                writer.append(p.name, offsets, out.reshape(sizes))
-            except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
-                raise _write_error(job.out, f"{p.name!r} (from {t.native!r})", exc) from exc
+            for p in placements(t.native, piece.full.shape, job.column, job.n_experts):
+                offsets = (p.offsets[0] + piece.first_row, *p.offsets[1:])
+                # a row piece of a whole tensor is written as it is; else the box (or block) the names give
+                chunk = p.take(out) if t.shape == piece.full.shape else out.reshape(t.shape)
+                try:
+                    writer.append(p.name, offsets, chunk)
+                except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+                    raise _write_error(job.out, f"{p.name!r} (from {t.native!r})", exc) from exc
             report_progress(t.out_nbytes)
         try:
             writer.close()
@@ -152,14 +157,15 @@ def _write_error(path: str, what: str, exc: BaseException) -> ConversionError:
 def _pieces(t: SourceTensor, n_experts: int) -> list[_Piece]:
     """A big unquantized tensor (embed, head: 1 GiB in BF16) becomes row pieces of <= PIECE_BYTES, each its
     own DCP chunk: a worker never holds more than that, and the two biggest tensors no longer pin two jobs."""
-    whole = placement(t.native, t.shape, "megatron", n_experts).whole
+    boxes = placements(t.native, t.shape, "megatron", n_experts)  # fusion and splitting: the same in both names
+    whole = len(boxes) == 1 and boxes[0].whole
     if t.quant is not None or not whole or t.out_nbytes <= PIECE_BYTES or len(t.shape) < 2:
         return [_Piece(t, t)]
     rows = max(1, t.shape[0] * PIECE_BYTES // t.out_nbytes)
     return [_Piece(t, row_slice(t, lo, min(lo + rows, t.shape[0])), lo) for lo in range(0, t.shape[0], rows)]
 
 
-def _plan_jobs(plan: SourcePlan, out_dir: Path, workers: int) -> list[_ConvertJob]:
+def _plan_jobs(plan: SourcePlan, out_dir: Path, workers: int, column: str) -> list[_ConvertJob]:
     """Cut the source into jobs of about `target` output bytes, in shard order, never spanning a shard."""
     total = sum(t.out_nbytes for t in plan.tensors.values())
     target = max(64 << 20, min(JOB_BYTES, total // max(1, 4 * workers)))
@@ -179,8 +185,8 @@ def _plan_jobs(plan: SourcePlan, out_dir: Path, workers: int) -> list[_ConvertJo
             size += n
         groups.append(current)
     groups.sort(key=lambda g: -sum(p.source.out_nbytes for p in g))  # biggest first: better balance
-    return [_ConvertJob(str(plan.dir), str(out_dir / f"__0_{i}.distcp"), tuple(g), plan.cfg.n_routed_experts)
-            for i, g in enumerate(groups)]
+    return [_ConvertJob(str(plan.dir), str(out_dir / f"__0_{i}.distcp"), tuple(g), plan.cfg.n_routed_experts,
+                        column) for i, g in enumerate(groups)]
 
 
 @dataclass(frozen=True)
@@ -203,8 +209,11 @@ class ConversionResult:
 
 def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int | None = None, force: bool = False,
                              verify: Verify = "structure", progress: bool = False,
-                             fsync: bool = True) -> ConversionResult:
+                             fsync: bool = True, megatron_names: MegatronNames = "plugin") -> ConversionResult:
     """HF DeepSeek-V4 checkpoint (FP8/FP4 or BF16) -> Megatron torch_dist BF16 directory `dst` (see module doc).
+
+    megatron_names: the key names of the Miles generation that loads it (checkpoints/names.py MegatronNames;
+    engines/train/miles/generation.py reads them from a Miles checkout), recorded in common.pt.
 
     verify: "structure" (megatron-core reads the metadata: names, shapes, dtypes; one tensor loaded and
     compared), "full" (`verify_torch_dist(..., against=src)` before the rename), or "none".
@@ -213,24 +222,28 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
     if verify not in ("none", "structure", "full"):
         raise ValueError(f"verify must be none, structure or full; got {verify!r}")
     src, dst = Path(src), Path(dst)
+    column = megatron_column(megatron_names)
     plan = plan_source(src)
-    key = manifest_key(source_manifest(src, plan.disk_names), {"to": "torch_dist", "format_version": 1})
+    options: dict[str, Any] = {"to": "torch_dist", "format_version": 1}
+    if megatron_names != "plugin":  # kept out for plugin names: outputs converted before stay complete
+        options["megatron_names"] = megatron_names
+    key = manifest_key(source_manifest(src, plan.disk_names), options)
     if is_complete(dst, key):
         return ConversionResult(dst, skipped=True)
     workers = workers or default_workers()
     with AtomicOutput(dst, force=force, key=key) as out:
         rel = out.tmp / RELEASE_DIR
         rel.mkdir()
-        jobs = _plan_jobs(plan, rel, workers)
+        jobs = _plan_jobs(plan, rel, workers, column)
         total = sum(t.out_nbytes for t in plan.tensors.values())
         results = run_jobs(_convert_job, jobs, workers=workers, total=total, label="convert", progress=progress,
                             meanwhile=import_megatron if verify != "none" else None)  # ~3 s, overlapped
         if fsync:  # workers only started the writeback; make every chunk file durable before any metadata
             sync_files(Path(j.out) for j in jobs)
-        specs = megatron_specs(plan.cfg)
+        specs = megatron_specs(plan.cfg, megatron_names)
         write_dcp_metadata(rel, [r for rs in results for r in rs], specs)
         write_common(rel, plan.cfg, hf_config=hf.with_release_model_keys(plan.raw_config, plan.cfg),
-                     extra={"source": str(src.resolve()), "key": key})
+                     extra={"source": str(src.resolve()), "key": key}, names=megatron_names)
         write_checkpointing_config(rel)
         mark_release(out.tmp)
         if verify != "none":
@@ -240,6 +253,7 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
         seconds = time.perf_counter() - t0
         bytes_out = sum(p.stat().st_size for p in rel.iterdir())
         out.commit({"key": key, "kind": "hf->torch_dist", "source": str(src.resolve()), "tensors": len(plan.tensors),
+                    "megatron_names": megatron_names,
                     "skipped_source_tensors": plan.skipped, "workers": workers, "seconds": round(seconds, 3)})
     return ConversionResult(dst, False, len(plan.tensors), sum(t.in_nbytes for t in plan.tensors.values()), bytes_out,
                             seconds, workers, len(jobs))
@@ -255,7 +269,7 @@ def _verify_structure(ckpt: Path, plan: SourcePlan, specs: dict[str, TensorSpec]
         want = reference_decode(probe, files)
     finally:
         files.close()
-    key = placement(probe.native, probe.shape, "megatron", plan.cfg.n_routed_experts).name
+    key = placements(probe.native, probe.shape, "megatron", plan.cfg.n_routed_experts)[0].name  # same in both
     with single_rank_process_group():
         got = megatron_load(ckpt, [Box(key, (0,), specs[key].shape)], specs)[0]
     if not torch.equal(got, want):
@@ -317,11 +331,12 @@ def verify_torch_dist(ckpt: str | Path, *, against: str | Path | None = None, ba
     d = resolve_iteration_dir(ckpt)
     plan = plan_source(against) if against is not None else None
     raw, cfg = _torch_dist_config(d, plan, against, flag="--against")
-    specs = megatron_specs(cfg)
+    names = stored_megatron_names(read_dcp_metadata(d).state_dict_metadata, where=str(d))
+    specs = megatron_specs(cfg, names)
     natives: dict[str, list[tuple[str, Any]]] = {}
     for name, spec in native_param_specs(cfg).items():
-        p = placement(name, spec.shape, "megatron", cfg.n_routed_experts)
-        natives.setdefault(p.name, []).append((name, p))
+        for p in placements(name, spec.shape, megatron_column(names), cfg.n_routed_experts):
+            natives.setdefault(p.name, []).append((name, p))
     boxes = [b for key, spec in specs.items() for b in _split_box(key, spec, batch_bytes)]
     total = sum(math.prod(b.sizes) * specs[b.key].dtype.itemsize for b in boxes)
     values = _SourceValues(plan) if plan else None
@@ -390,8 +405,7 @@ class _SourceValues:
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
             got = t[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, box.offsets))]
-            want = self._decoded(native).reshape(p.sizes)[tuple(slice(l - o, h - o)
-                                                                 for l, h, o in zip(lo, hi, p.offsets))]
+            want = p.take(self._decoded(native))[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, p.offsets))]
             if not torch.equal(got, want):
                 src = self.plan.tensors[native]
                 diff = (got.float() - want.float()).abs().max().item()
@@ -399,7 +413,7 @@ class _SourceValues:
                                       f"{native!r} ({self.plan.dir / src.weight.file}): max |diff| {diff:g}; "
                                       "re-run the conversion with --force")
             self._seen[native] = self._seen.get(native, 0) + math.prod(h - l for l, h in zip(lo, hi))
-            if self._seen[native] == math.prod(p.sizes):
+            if self._seen[native] == math.prod(self.plan.tensors[native].shape):
                 self.compared.add(native)
 
     def _decoded(self, native: str) -> torch.Tensor:
@@ -422,6 +436,7 @@ class _ExportJob:
     expert_dtype: str
     scale_fmt: str
     n_experts: int
+    column: str
     like_dir: str | None
     like: tuple[tuple[str, SourceTensor], ...]
     fsync: bool
@@ -434,9 +449,13 @@ def _export_job(job: _ExportJob) -> int:
     writer = SafetensorsStreamWriter(Path(job.out), job.entries, fsync=job.fsync)
     try:
         for native, kind, shape in job.natives:
-            p = placement(native, shape, "megatron", job.n_experts)
-            t = reader.read(Box(p.name, p.offsets, p.sizes)).reshape(shape)
-            check_finite(t, f"{reader.dir}: {p.name!r} at {p.offsets} (native {native!r})")
+            boxes = placements(native, shape, job.column, job.n_experts)
+            parts = [reader.read(Box(p.name, p.offsets, p.sizes)) for p in boxes]
+            # one box, or the blocks of a tensor the names split (the mHC alphas), joined in row order
+            t = parts[0].reshape(shape) if len(parts) == 1 else torch.cat(
+                [x.reshape(-1, *shape[1:]) for x in parts]).reshape(shape)
+            where = boxes[0].name if len(boxes) == 1 else " + ".join(p.name for p in boxes)
+            check_finite(t, f"{reader.dir}: {where!r} at {boxes[0].offsets} (native {native!r})")
             fmt = "bf16" if job.fmt == "hf-bf16" else "fp8"
             encoded = encode_tensor(native, t, kind, weight_format=fmt, expert_dtype=job.expert_dtype,  # type: ignore[arg-type]
                                     scale_fmt=job.scale_fmt)  # type: ignore[arg-type]
@@ -482,8 +501,9 @@ def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportForm
     if expert_dtype not in ("fp4", "fp8") or scale_fmt not in ("ue8m0", "fp32"):
         raise ValueError(f"expert_dtype must be fp4|fp8 and scale_fmt ue8m0|fp32; got {expert_dtype}, {scale_fmt}")
     reader = TorchDistReader(ckpt)
+    names = stored_megatron_names(reader, where=str(ckpt))  # either Miles generation's names
     _compare_specs({k: reader.spec(k) for k in reader.tensors if not k.startswith(IGNORED_KEY_PREFIXES)},
-                   megatron_specs(cfg), where=str(ckpt))
+                   megatron_specs(cfg, names), where=str(ckpt))
     options = {"to": fmt, "expert_dtype": expert_dtype, "scale_fmt": scale_fmt, "max_shard_bytes": max_shard_bytes,
                "like": source_manifest(like, like_plan.disk_names) if like_plan else None}
     key = manifest_key(source_manifest(src, sorted(reader.tensors)), options)
@@ -511,7 +531,8 @@ def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportForm
             total += sum(math.prod(s) * d.itemsize for _, d, s in entries)
             refs = tuple((nat, like_plan.tensors[nat]) for nat, _, _ in natives) if like_plan else ()
             jobs.append(_ExportJob(str(ckpt), str(out.tmp / name), tuple(natives), entries, fmt, expert_dtype,
-                                   scale_fmt, cfg.n_routed_experts, str(like) if like else None, refs, fsync))
+                                   scale_fmt, cfg.n_routed_experts, megatron_column(names),
+                                   str(like) if like else None, refs, fsync))
         sizes = run_jobs(_export_job, jobs, workers=workers, total=total, label=f"export {fmt}", progress=progress)
         _write_hf_side_files(out.tmp, raw, cfg, fmt, expert_dtype, scale_fmt, weight_map, total, like)
         seconds = time.perf_counter() - t0

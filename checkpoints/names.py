@@ -13,9 +13,19 @@ Whole-state fusion (`native_to_megatron`, `native_to_transformers`), splitting, 
 converters' per-tensor placement (`placement`: which fused tensor, at which offsets) all read the
 same `Part`s.
 
-Megatron names follow Miles' DeepSeek-V4 bridge (`miles_plugins/mbridge/deepseekv4.py`,
-reference/miles-sglang-megatron.md §1.5, §3): per-layer keys `decoder.layers.<i>.…`, routed experts
-stacked as torch_dist stores them. Sources for the other columns: transformers' `conversion_mapping.py`
+A column holds a tuple of `Part`s (`Split`) where that format stores ONE native tensor as several: Megatron's
+HyperConnectionModule keeps each mHC scale `hc_*_scale` [3] as `alpha_pre`, `alpha_post`, `alpha_res` [1]
+(blocks 0, 1, 2, DeepSeek's packed order). `placements` gives every box of such a tensor.
+
+Two Megatron columns, one per Miles DeepSeek-V4 generation (`MegatronNames`, engines/train/miles/generation.py
+tells a checkout's apart): `megatron`, Miles' plugin names (Miles 31f1ca961 + Megatron-LM 2e64d788b,
+`self_attention.wq_a.weight`, `hc_attn_scale`, `hc_head_params.hc_head_fn`); `megatron2`, Megatron's names
+(Miles e9e19b223 + Megatron-LM 6184c094a: `self_attention.linear_q_down_proj.weight`, `linear_o_group_proj`
+without `.weight`, sink/compressor/indexer under `self_attention.core_attention.`, `*_hyper_connection.
+mapping_proj.weight|bias|alpha_*`, `decoder.hc_head_*`). Both follow Miles' bridge of their generation
+(`miles_plugins/mbridge/deepseekv4.py`, reference/miles-sglang-megatron.md §1.5, §3) and its model's
+`sharded_state_dict()` (118 keys tiny / 1242 Flash; 134 / 1414): per-layer keys `decoder.layers.<i>.…`,
+routed experts stacked as torch_dist stores them; `detect_megatron_names` reads a key set's generation. Sources for the other columns: transformers' `conversion_mapping.py`
 ("deepseek_v4") and `modeling_deepseek_v4.py`; SGLang's `remap_weight_name_to_dpsk_hf_format`.
 Scale tensors (`X.scale` native, `X.weight_scale_inv` HF-style) are not in the table:
 `checkpoints/hf.py` pairs them with their weight by suffix.
@@ -25,14 +35,18 @@ Scale tensors (`X.scale` native, `X.weight_scale_inv` HF-style) are not in the t
     >>> native_to_megatron_name("layers.3.ffn.gate.bias")
     'decoder.layers.3.mlp.router.expert_bias'
 
+    >>> native_to_megatron_name("layers.3.attn.wo_a.weight", "megatron")
+    'decoder.layers.3.self_attention.linear_o_group_proj'
+
 Tested by `.venv/bin/python -m pytest tests/test_hf_checkpoint.py tests/test_names_megatron.py -q -k names`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -51,85 +65,124 @@ class Part:
     """How many native tensors are concatenated along dim 0 (2 for gate+up, 1 for a plain stack)."""
 
 
-Entry = str | Part
-COLUMNS = ("native", "transformers", "sglang", "megatron")
+Split = tuple[Part, ...]
+"""A column entry where that format stores ONE native tensor as several tensors: tensor `part.name` is block
+`part.index` of `part.parts` equal blocks along dim 0 of the native tensor (the mHC scale `[3]` -> alpha_pre,
+alpha_post, alpha_res `[1]` each in Megatron's names). The same `Part`, read the other way round."""
+Entry = str | Part | Split
+COLUMNS = ("native", "transformers", "sglang", "megatron", "megatron2")
+"""`megatron`: Miles' DeepSeek-V4 plugin names (Miles 31f1ca961 + Megatron-LM 2e64d788b, the first generation);
+`megatron2`: Megatron's own names (Miles e9e19b223 "DeepSeek-V4 support-v2" + Megatron-LM 6184c094a)."""
+MegatronNames = Literal["plugin", "megatron"]
+"""Which Megatron names a torch_dist checkpoint uses: `plugin` (Miles' first DeepSeek-V4 generation) or
+`megatron` (Megatron's names, Miles' second generation); engines/train/miles/generation.py tells them apart."""
+MEGATRON_NAMES: tuple[MegatronNames, ...] = ("plugin", "megatron")
+MEGATRON_COLUMN: dict[str, str] = {"plugin": "megatron", "megatron": "megatron2"}
+"""MegatronNames -> its NAME_TABLE column."""
 IGNORED_NATIVE_PREFIXES = ("mtp.",)
 """Native tensors no format here carries (the MTP head): readers skip them, as transformers does."""
 
 _A = "layers.{i}.attn."
 _TA = "model.layers.{i}.self_attn."
 _MA = "decoder.layers.{i}.self_attention."
+_M2A = "decoder.layers.{i}.self_attention.core_attention."
 _F = "layers.{i}.ffn."
 _TF = "model.layers.{i}.mlp."
 _MF = "decoder.layers.{i}.mlp."
+_ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
+"""Megatron's HyperConnectionModule scalars, in the order DeepSeek's packed `hc_*_scale` [3] holds them."""
 
 
-def _compressor_rows(native: str, tf: str, sgl: str, meg: str) -> list[tuple[str, str, str, str]]:
+def _compressor_rows(native: str, tf: str, sgl: str, meg: str, meg2: str) -> list[tuple[str, ...]]:
     return [
-        (native + "wkv.weight", tf + "kv_proj.weight", sgl + "wkv.weight", meg + "wkv.weight"),
-        (native + "wgate.weight", tf + "gate_proj.weight", sgl + "wgate.weight", meg + "wgate.weight"),
-        (native + "norm.weight", tf + "kv_norm.weight", sgl + "norm.weight", meg + "norm.weight"),
-        (native + "ape", tf + "position_bias", sgl + "ape", meg + "ape"),
+        (native + "wkv.weight", tf + "kv_proj.weight", sgl + "wkv.weight", meg + "wkv.weight",
+         meg2 + "linear_wkv.weight"),
+        (native + "wgate.weight", tf + "gate_proj.weight", sgl + "wgate.weight", meg + "wgate.weight",
+         meg2 + "linear_wgate.weight"),
+        (native + "norm.weight", tf + "kv_norm.weight", sgl + "norm.weight", meg + "norm.weight", meg2 + "norm.weight"),
+        (native + "ape", tf + "position_bias", sgl + "ape", meg + "ape", meg2 + "ape"),
     ]
 
 
-def _same(native_tail: str, tf_tail: str) -> tuple[str, str, str, str]:
-    """A layer-level attention row whose SGLang and Megatron names keep the native leaf."""
-    return (_A + native_tail, _TA + tf_tail, _TA + native_tail, _MA + native_tail)
+def _attn(native_tail: str, tf_tail: str, meg2: str) -> tuple[str, ...]:
+    """A layer-level attention row whose SGLang and plugin names keep the native leaf."""
+    return (_A + native_tail, _TA + tf_tail, _TA + native_tail, _MA + native_tail, meg2)
+
+
+def _hc_rows(native: str, tf: str, meg2: str) -> list[tuple[Entry, ...]]:
+    """One mHC site (`attn` or `ffn`): fn, base and the packed scale, split into Megatron's three alphas."""
+    return [
+        (f"layers.{{i}}.hc_{native}_fn", f"model.layers.{{i}}.{tf}.fn", f"model.layers.{{i}}.hc_{native}_fn",
+         f"decoder.layers.{{i}}.hc_{native}_fn", meg2 + "mapping_proj.weight"),
+        (f"layers.{{i}}.hc_{native}_base", f"model.layers.{{i}}.{tf}.base", f"model.layers.{{i}}.hc_{native}_base",
+         f"decoder.layers.{{i}}.hc_{native}_base", meg2 + "bias"),
+        (f"layers.{{i}}.hc_{native}_scale", f"model.layers.{{i}}.{tf}.scale", f"model.layers.{{i}}.hc_{native}_scale",
+         f"decoder.layers.{{i}}.hc_{native}_scale",
+         tuple(Part(meg2 + alpha, k, len(_ALPHAS)) for k, alpha in enumerate(_ALPHAS))),
+    ]
+
+
+def _fc1(prefix: str) -> tuple[Part, Part]:
+    return Part(prefix + "linear_fc1.weight", 0, 2), Part(prefix + "linear_fc1.weight", 1, 2)
 
 
 _GATE_UP = Part(_TF + "experts.gate_up_proj", 0, 2), Part(_TF + "experts.gate_up_proj", 1, 2)
-_FC1 = Part(_MF + "experts.experts.linear_fc1.weight", 0, 2), Part(_MF + "experts.experts.linear_fc1.weight", 1, 2)
-_SHARED_FC1 = Part(_MF + "shared_experts.linear_fc1.weight", 0, 2), Part(_MF + "shared_experts.linear_fc1.weight", 1, 2)
+_FC1 = _fc1(_MF + "experts.experts.")
+_SHARED_FC1 = _fc1(_MF + "shared_experts.")
+_FC2 = Part(_MF + "experts.experts.linear_fc2.weight", 0, 1)
 
 NAME_TABLE: tuple[tuple[Entry, ...], ...] = tuple([
-    # native                        transformers                          sglang / miles HF                     megatron (torch_dist)
-    ("embed.weight",                 "model.embed_tokens.weight",          "model.embed_tokens.weight",          "embedding.word_embeddings.weight"),
-    ("norm.weight",                  "model.norm.weight",                  "model.norm.weight",                  "decoder.final_layernorm.weight"),
-    ("head.weight",                  "lm_head.weight",                     "lm_head.weight",                     "output_layer.weight"),
-    ("hc_head_fn",                   "model.hc_head.hc_fn",                "model.hc_head_fn",                   "decoder.hc_head_params.hc_head_fn"),
-    ("hc_head_base",                 "model.hc_head.hc_base",              "model.hc_head_base",                 "decoder.hc_head_params.hc_head_base"),
-    ("hc_head_scale",                "model.hc_head.hc_scale",             "model.hc_head_scale",                "decoder.hc_head_params.hc_head_scale"),
-    ("layers.{i}.attn_norm.weight",  "model.layers.{i}.input_layernorm.weight",
-                                     "model.layers.{i}.input_layernorm.weight",
-                                                                           "decoder.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight",   "model.layers.{i}.post_attention_layernorm.weight",
-                                     "model.layers.{i}.post_attention_layernorm.weight",
-                                                                           "decoder.layers.{i}.pre_mlp_layernorm.weight"),
-    ("layers.{i}.hc_attn_fn",        "model.layers.{i}.attn_hc.fn",        "model.layers.{i}.hc_attn_fn",        "decoder.layers.{i}.hc_attn_fn"),
-    ("layers.{i}.hc_attn_base",      "model.layers.{i}.attn_hc.base",      "model.layers.{i}.hc_attn_base",      "decoder.layers.{i}.hc_attn_base"),
-    ("layers.{i}.hc_attn_scale",     "model.layers.{i}.attn_hc.scale",     "model.layers.{i}.hc_attn_scale",     "decoder.layers.{i}.hc_attn_scale"),
-    ("layers.{i}.hc_ffn_fn",         "model.layers.{i}.ffn_hc.fn",         "model.layers.{i}.hc_ffn_fn",         "decoder.layers.{i}.hc_ffn_fn"),
-    ("layers.{i}.hc_ffn_base",       "model.layers.{i}.ffn_hc.base",       "model.layers.{i}.hc_ffn_base",       "decoder.layers.{i}.hc_ffn_base"),
-    ("layers.{i}.hc_ffn_scale",      "model.layers.{i}.ffn_hc.scale",      "model.layers.{i}.hc_ffn_scale",      "decoder.layers.{i}.hc_ffn_scale"),
-    _same("wq_a.weight", "q_a_proj.weight"),
-    _same("q_norm.weight", "q_a_norm.weight"),
-    _same("wq_b.weight", "q_b_proj.weight"),
-    _same("wkv.weight", "kv_proj.weight"),
-    _same("kv_norm.weight", "kv_norm.weight"),
-    _same("wo_a.weight", "o_a_proj.weight"),
-    _same("wo_b.weight", "o_b_proj.weight"),
-    _same("attn_sink", "sinks"),
-    *_compressor_rows(_A + "compressor.", _TA + "compressor.", _TA + "compressor.", _MA + "compressor."),
-    (_A + "indexer.wq_b.weight",     _TA + "compressor.indexer.q_b_proj.weight",
-                                     _TA + "indexer.wq_b.weight",          _MA + "indexer.linear_wq_b.weight"),
+    # native / transformers / sglang (miles HF) / megatron (plugin names, Miles gen 1) / megatron2 (Megatron's, gen 2)
+    ("embed.weight", "model.embed_tokens.weight", "model.embed_tokens.weight", "embedding.word_embeddings.weight",
+     "embedding.word_embeddings.weight"),
+    ("norm.weight", "model.norm.weight", "model.norm.weight", "decoder.final_layernorm.weight",
+     "decoder.final_layernorm.weight"),
+    ("head.weight", "lm_head.weight", "lm_head.weight", "output_layer.weight", "output_layer.weight"),
+    ("hc_head_fn", "model.hc_head.hc_fn", "model.hc_head_fn", "decoder.hc_head_params.hc_head_fn",
+     "decoder.hc_head_fn"),
+    ("hc_head_base", "model.hc_head.hc_base", "model.hc_head_base", "decoder.hc_head_params.hc_head_base",
+     "decoder.hc_head_base"),
+    ("hc_head_scale", "model.hc_head.hc_scale", "model.hc_head_scale", "decoder.hc_head_params.hc_head_scale",
+     "decoder.hc_head_scale"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight",
+     "model.layers.{i}.input_layernorm.weight", "decoder.layers.{i}.input_layernorm.weight",
+     "decoder.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight",
+     "model.layers.{i}.post_attention_layernorm.weight", "decoder.layers.{i}.pre_mlp_layernorm.weight",
+     "decoder.layers.{i}.pre_mlp_layernorm.weight"),
+    *_hc_rows("attn", "attn_hc", "decoder.layers.{i}.self_attention_hyper_connection."),
+    *_hc_rows("ffn", "ffn_hc", "decoder.layers.{i}.mlp_hyper_connection."),
+    _attn("wq_a.weight", "q_a_proj.weight", _MA + "linear_q_down_proj.weight"),
+    _attn("q_norm.weight", "q_a_norm.weight", _MA + "q_layernorm.weight"),
+    _attn("wq_b.weight", "q_b_proj.weight", _MA + "linear_q_up_proj.weight"),
+    _attn("wkv.weight", "kv_proj.weight", _MA + "linear_kv_proj.weight"),
+    _attn("kv_norm.weight", "kv_norm.weight", _MA + "kv_layernorm.weight"),
+    _attn("wo_a.weight", "o_a_proj.weight", _MA + "linear_o_group_proj"),  # a bare Parameter there: no `.weight`
+    _attn("wo_b.weight", "o_b_proj.weight", _MA + "linear_proj.weight"),
+    _attn("attn_sink", "sinks", _M2A + "attn_sink"),
+    *_compressor_rows(_A + "compressor.", _TA + "compressor.", _TA + "compressor.", _MA + "compressor.",
+                      _M2A + "compressor."),
+    (_A + "indexer.wq_b.weight", _TA + "compressor.indexer.q_b_proj.weight", _TA + "indexer.wq_b.weight",
+     _MA + "indexer.linear_wq_b.weight", _M2A + "indexer.linear_wq_b.weight"),
     (_A + "indexer.weights_proj.weight", _TA + "compressor.indexer.scorer.weights_proj.weight",
-                                     _TA + "indexer.weights_proj.weight",  _MA + "indexer.linear_weights_proj.weight"),
+     _TA + "indexer.weights_proj.weight", _MA + "indexer.linear_weights_proj.weight",
+     _M2A + "indexer.linear_weights_proj.weight"),
     *_compressor_rows(_A + "indexer.compressor.", _TA + "compressor.indexer.", _TA + "indexer.compressor.",
-                      _MA + "indexer.compressor."),
-    (_F + "gate.weight",             _TF + "gate.weight",                  _TF + "gate.weight",                  _MF + "router.weight"),
-    (_F + "gate.bias",               _TF + "gate.e_score_correction_bias", _TF + "gate.e_score_correction_bias",  _MF + "router.expert_bias"),
-    (_F + "gate.tid2eid",            _TF + "gate.tid2eid",                 _TF + "topk.tid2eid",                 _MF + "router.tid2eid"),
-    (_F + "experts.{e}.w1.weight",   _GATE_UP[0],                          _TF + "experts.{e}.gate_proj.weight", _FC1[0]),
-    (_F + "experts.{e}.w2.weight",   Part(_TF + "experts.down_proj", 0, 1), _TF + "experts.{e}.down_proj.weight",
-                                                                           Part(_MF + "experts.experts.linear_fc2.weight", 0, 1)),
-    (_F + "experts.{e}.w3.weight",   _GATE_UP[1],                          _TF + "experts.{e}.up_proj.weight",   _FC1[1]),
+                      _MA + "indexer.compressor.", _M2A + "indexer.compressor."),
+    (_F + "gate.weight", _TF + "gate.weight", _TF + "gate.weight", _MF + "router.weight", _MF + "router.weight"),
+    (_F + "gate.bias", _TF + "gate.e_score_correction_bias", _TF + "gate.e_score_correction_bias",
+     _MF + "router.expert_bias", _MF + "router.expert_bias"),
+    (_F + "gate.tid2eid", _TF + "gate.tid2eid", _TF + "topk.tid2eid", _MF + "router.tid2eid", _MF + "router.tid2eid"),
+    (_F + "experts.{e}.w1.weight", _GATE_UP[0], _TF + "experts.{e}.gate_proj.weight", _FC1[0], _FC1[0]),
+    (_F + "experts.{e}.w2.weight", Part(_TF + "experts.down_proj", 0, 1), _TF + "experts.{e}.down_proj.weight",
+     _FC2, _FC2),
+    (_F + "experts.{e}.w3.weight", _GATE_UP[1], _TF + "experts.{e}.up_proj.weight", _FC1[1], _FC1[1]),
     (_F + "shared_experts.w1.weight", _TF + "shared_experts.gate_proj.weight", _TF + "shared_experts.gate_proj.weight",
-                                                                           _SHARED_FC1[0]),
+     _SHARED_FC1[0], _SHARED_FC1[0]),
     (_F + "shared_experts.w2.weight", _TF + "shared_experts.down_proj.weight", _TF + "shared_experts.down_proj.weight",
-                                                                           _MF + "shared_experts.linear_fc2.weight"),
+     _MF + "shared_experts.linear_fc2.weight", _MF + "shared_experts.linear_fc2.weight"),
     (_F + "shared_experts.w3.weight", _TF + "shared_experts.up_proj.weight", _TF + "shared_experts.up_proj.weight",
-                                                                           _SHARED_FC1[1]),
+     _SHARED_FC1[1], _SHARED_FC1[1]),
 ])
 
 
@@ -153,7 +206,7 @@ def _column_map(src: str, dst: str) -> dict[str, Entry]:
     a, b = COLUMNS.index(src), COLUMNS.index(dst)
     out: dict[str, Entry] = {}
     for row in NAME_TABLE:
-        if isinstance(row[a], Part):
+        if not isinstance(row[a], str):
             continue
         if row[a] in out:
             raise AssertionError(f"NAME_TABLE column {src} lists {row[a]} twice")
@@ -176,18 +229,37 @@ def _fused_rows(column: str) -> dict[str, list[tuple[str, Part]]]:
     return out
 
 
+def _split_rows(column: str) -> dict[str, tuple[str, Part]]:
+    """Split-part name template -> (native template it is cut from, its Part)."""
+    c = COLUMNS.index(column)
+    out: dict[str, tuple[str, Part]] = {}
+    for row in NAME_TABLE:
+        if isinstance(row[c], tuple):
+            parts = row[c]
+            if sorted(p.index for p in parts) != list(range(len(parts))) or {p.parts for p in parts} != {len(parts)}:
+                raise AssertionError(f"NAME_TABLE column {column}: the split of {row[0]} must list blocks "
+                                     f"0..{len(parts) - 1} once each")
+            out.update({p.name: (row[0], p) for p in parts})
+    return out
+
+
 _MAPS = {(s, d): _column_map(s, d) for s in COLUMNS for d in COLUMNS if s != d}
 _FUSED = {c: _fused_rows(c) for c in COLUMNS[1:]}
+_SPLIT = {c: _split_rows(c) for c in COLUMNS[1:]}
 _NATIVE_ENTRY = {c: {row[0]: row[COLUMNS.index(c)] for row in NAME_TABLE} for c in COLUMNS[1:]}
 
 
 def convert_name(name: str, src: str, dst: str) -> str:
-    """Rename one tensor between columns; ValueError on an unknown name or a fused source or target."""
+    """Rename one tensor between columns; ValueError on an unknown name or a fused/split source or target."""
     if src not in COLUMNS or dst not in COLUMNS:
         raise ValueError(f"columns are {COLUMNS}; got {src!r} -> {dst!r}")
     template, idx = _template(name)
     if src != "native" and template in _FUSED[src]:
         raise ValueError(f"{src} tensor {name!r} is fused from several native tensors; use {src}_to_native")
+    if src != "native" and template in _SPLIT[src]:
+        native = _SPLIT[src][template][0].format(**idx)
+        raise ValueError(f"{src} tensor {name!r} is one block of native tensor {native!r}, split into several "
+                         f"tensors; use format_to_native(..., {src!r})")
     try:
         target = _MAPS[(src, dst)][template]
     except KeyError:
@@ -196,7 +268,57 @@ def convert_name(name: str, src: str, dst: str) -> str:
     if isinstance(target, Part):
         raise ValueError(f"{src} tensor {name!r} is fused with other tensors into {target.name.format(**idx)} "
                          f"in the {dst} format; use native_to_{dst} or placement()")
+    if isinstance(target, tuple):
+        raise ValueError(f"{src} tensor {name!r} is split into {', '.join(p.name.format(**idx) for p in target)} "
+                         f"in the {dst} format; use native_to_format(..., {dst!r}) or placements()")
     return target.format(**idx)
+
+
+def megatron_column(names: str) -> str:
+    """The NAME_TABLE column of a MegatronNames value (`plugin` -> megatron, `megatron` -> megatron2)."""
+    try:
+        return MEGATRON_COLUMN[names]
+    except KeyError:
+        raise ValueError(f"Megatron names must be one of {', '.join(MEGATRON_NAMES)}; got {names!r}") from None
+
+
+def _known_templates(column: str) -> set[str]:
+    c = COLUMNS.index(column)
+    out: set[str] = set()
+    for row in NAME_TABLE:
+        entry = row[c]
+        out.update([entry] if isinstance(entry, str) else [entry.name] if isinstance(entry, Part)
+                   else [p.name for p in entry])
+    return out
+
+
+_KNOWN = {names: _known_templates(MEGATRON_COLUMN[names]) for names in MEGATRON_NAMES}
+
+
+def detect_megatron_names(keys: Iterable[str], *, where: str = "the checkpoint",
+                          default: MegatronNames | None = None) -> MegatronNames:
+    """Which Megatron names a set of torch_dist keys uses, from the keys only one generation has.
+
+    Keys neither generation knows (optimizer state, TE `_extra_state`) are ignored; a set with keys of both
+    generations raises ValueError naming `where` and example keys, and so does a set with none of either
+    unless `default` is given (keys both generations share read the same under either).
+    """
+    only: dict[str, list[str]] = {names: [] for names in MEGATRON_NAMES}
+    for key in keys:
+        template, _ = _template(key)
+        homes = [names for names in MEGATRON_NAMES if template in _KNOWN[names]]
+        if len(homes) == 1:
+            only[homes[0]].append(key)
+    found = [names for names in MEGATRON_NAMES if only[names]]
+    if len(found) == 1:
+        return found[0]  # type: ignore[return-value]
+    if not found and default is not None:
+        return default
+    if not found:
+        raise ValueError(f"{where} holds no DeepSeek-V4 tensor under either Megatron naming (Miles' plugin names "
+                         "or Megatron's); is it a DeepSeek-V4 torch_dist checkpoint?")
+    raise ValueError(f"{where} mixes Miles' plugin names (e.g. {only['plugin'][0]!r}) and Megatron's names (e.g. "
+                     f"{only['megatron'][0]!r}); re-convert it with `v4rl convert --megatron-names plugin|megatron`")
 
 
 def native_to_transformers_name(name: str) -> str:
@@ -215,39 +337,48 @@ def sglang_to_native_name(name: str) -> str:
     return convert_name(name, "sglang", "native")
 
 
-def native_to_megatron_name(name: str) -> str:
-    return convert_name(name, "native", "megatron")
+def native_to_megatron_name(name: str, names: str = "plugin") -> str:
+    return convert_name(name, "native", megatron_column(names))
 
 
-def megatron_to_native_name(name: str) -> str:
-    return convert_name(name, "megatron", "native")
+def megatron_to_native_name(name: str, names: str = "plugin") -> str:
+    return convert_name(name, megatron_column(names), "native")
 
 
 # ---------------------------------------------------------------------------------------------- placement
 @dataclass(frozen=True)
 class Placement:
-    """Where one native tensor lands in another format: a box of a (possibly fused) tensor."""
+    """Where one native tensor (or a block of its rows) lands in another format: a box of a (possibly fused)
+    tensor."""
 
     name: str
     """Tensor name in the target format."""
     offsets: tuple[int, ...]
     """Start of the box along every axis of the target tensor."""
     sizes: tuple[int, ...]
-    """Box extent: the native shape, with a leading 1 when experts are stacked."""
+    """Box extent: the native shape (its `source_rows` block when split), with a leading 1 when experts are
+    stacked."""
     global_shape: tuple[int, ...]
     """Full shape of the target tensor."""
+    source_rows: tuple[int, int] | None = None
+    """Rows `[start, stop)` along dim 0 of the native tensor this box holds when the format splits the native
+    tensor into several tensors (a `Split` entry); None: the whole native tensor."""
 
     @property
     def whole(self) -> bool:
         return self.sizes == self.global_shape
 
+    def take(self, native: torch.Tensor) -> torch.Tensor:
+        """The part of native tensor `native` this box holds, shaped as the box."""
+        part = native if self.source_rows is None else native[self.source_rows[0]:self.source_rows[1]]
+        return part.reshape(self.sizes)
 
-def placement(native_name: str, shape: tuple[int, ...], column: str, n_experts: int) -> Placement:
-    """Box of the `column` tensor that holds native tensor `native_name` of logical `shape`.
 
-    `n_experts` is the routed-expert count (the stacked axis). Streaming converters use this to write
-    each native tensor as one chunk of a fused tensor without ever holding the fused tensor.
-    """
+def placements(native_name: str, shape: tuple[int, ...], column: str, n_experts: int) -> tuple[Placement, ...]:
+    """Every box of the `column` format that holds (part of) native tensor `native_name` of logical `shape`:
+    one, or one per block where the format splits the tensor. `n_experts` is the routed-expert count (the
+    stacked axis). Streaming converters write each native tensor as chunks of fused tensors with this, without
+    ever holding a fused tensor."""
     template, idx = _template(native_name)
     try:
         entry = _NATIVE_ENTRY[column][template]
@@ -256,7 +387,14 @@ def placement(native_name: str, shape: tuple[int, ...], column: str, n_experts: 
                          "checkpoints/names.py NAME_TABLE") from None
     shape = tuple(int(s) for s in shape)
     if isinstance(entry, str):
-        return Placement(entry.format(**idx), (0,) * len(shape), shape, shape)
+        return (Placement(entry.format(**idx), (0,) * len(shape), shape, shape),)
+    if isinstance(entry, tuple):
+        rows, rest = shape[0] // len(entry), shape[1:]
+        if rows * len(entry) != shape[0]:
+            raise ValueError(f"tensor {native_name!r} has shape {shape}; the {column} format splits it into "
+                             f"{len(entry)} equal row blocks")
+        return tuple(Placement(p.name.format(**idx), (0,) * len(shape), (rows, *rest), (rows, *rest),
+                               (p.index * rows, (p.index + 1) * rows)) for p in entry)
     rows = shape[0]
     fused = (entry.parts * rows, *shape[1:])
     offsets = (entry.index * rows,) + (0,) * (len(shape) - 1)
@@ -264,8 +402,18 @@ def placement(native_name: str, shape: tuple[int, ...], column: str, n_experts: 
         e = int(idx["e"])
         if e >= n_experts:
             raise ValueError(f"tensor {native_name!r}: expert {e} is out of range (n_routed_experts={n_experts})")
-        return Placement(entry.name.format(**idx), (e, *offsets), (1, *shape), (n_experts, *fused))
-    return Placement(entry.name.format(**idx), offsets, shape, fused)
+        return (Placement(entry.name.format(**idx), (e, *offsets), (1, *shape), (n_experts, *fused)),)
+    return (Placement(entry.name.format(**idx), offsets, shape, fused),)
+
+
+def placement(native_name: str, shape: tuple[int, ...], column: str, n_experts: int) -> Placement:
+    """The one box of `column` that holds native tensor `native_name` (see `placements`); ValueError where the
+    format splits it into several tensors."""
+    found = placements(native_name, shape, column, n_experts)
+    if len(found) != 1:
+        raise ValueError(f"the {column} format splits native tensor {native_name!r} into "
+                         f"{', '.join(p.name for p in found)}; use placements()")
+    return found[0]
 
 
 def _box(t: torch.Tensor, p: Placement) -> torch.Tensor:
@@ -274,19 +422,20 @@ def _box(t: torch.Tensor, p: Placement) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- state dicts
 def native_to_format(state: Mapping[str, torch.Tensor], cfg: ModelConfig, column: str) -> dict[str, torch.Tensor]:
-    """Native state -> `column` names, fused tensors assembled; every fused tensor must be complete."""
+    """Native state -> `column` names, fused tensors assembled, split ones cut; every fused tensor must be
+    complete."""
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, set[tuple[int, ...]]] = {}
     for name, tensor in state.items():
-        p = placement(name, tuple(tensor.shape), column, cfg.n_routed_experts)
-        if p.whole:
-            out[p.name] = tensor
-            continue
-        if p.name not in out:
-            out[p.name] = torch.empty(p.global_shape, dtype=tensor.dtype)
-            filled[p.name] = set()
-        _box(out[p.name], p).copy_(tensor.reshape(p.sizes))
-        filled[p.name].add(p.offsets)
+        for p in placements(name, tuple(tensor.shape), column, cfg.n_routed_experts):
+            if p.whole:
+                out[p.name] = p.take(tensor)
+                continue
+            if p.name not in out:
+                out[p.name] = torch.empty(p.global_shape, dtype=tensor.dtype)
+                filled[p.name] = set()
+            _box(out[p.name], p).copy_(p.take(tensor))
+            filled[p.name].add(p.offsets)
     for fused, boxes in filled.items():
         template, idx = _template(fused)
         for native_template, part in _FUSED[column][template]:
@@ -302,10 +451,15 @@ def native_to_format(state: Mapping[str, torch.Tensor], cfg: ModelConfig, column
 
 
 def format_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig, column: str) -> dict[str, torch.Tensor]:
-    """`column` state -> native names, fused tensors split back (views of the inputs)."""
+    """`column` state -> native names, fused tensors split back (views of the inputs), split ones joined."""
     out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
         template, idx = _template(name)
+        if template in _SPLIT[column]:
+            native_template, part = _SPLIT[column][template]
+            blocks.setdefault(native_template.format(**idx), {})[part.index] = tensor
+            continue
         rows = _FUSED[column].get(template)
         if rows is None:
             out[convert_name(name, column, "native")] = tensor
@@ -323,6 +477,14 @@ def format_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig, column
                 sub = tensor[e] if e is not None else tensor
                 native = native_template.format(**idx, **({} if e is None else {"e": e}))
                 out[native] = sub[part.index * n:(part.index + 1) * n]
+    for native, got in blocks.items():
+        template, idx = _template(native)
+        split = _NATIVE_ENTRY[column][template]
+        missing = [p.name.format(**idx) for p in split if p.index not in got]  # type: ignore[union-attr]
+        if missing:
+            raise ValueError(f"tensor {missing[0]} is missing; {column} splits native {native!r} into "
+                             f"{len(split)} tensors and every one is needed to rebuild it")
+        out[native] = torch.cat([got[k].reshape(-1, *got[k].shape[1:]) for k in range(len(split))])
     return out
 
 
@@ -336,14 +498,19 @@ def transformers_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig) 
     return format_to_native(state, cfg, "transformers")
 
 
-def native_to_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Native names -> Megatron torch_dist keys (routed experts stacked, gate/up fused as linear_fc1)."""
-    return native_to_format(state, cfg, "megatron")
+def native_to_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                       names: str = "plugin") -> dict[str, torch.Tensor]:
+    """Native names -> Megatron torch_dist keys under `names` (routed experts stacked, gate/up fused as
+    linear_fc1; with Megatron's names each mHC scale split into its three alphas)."""
+    return native_to_format(state, cfg, megatron_column(names))
 
 
-def megatron_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Megatron torch_dist keys -> native names (experts unstacked, linear_fc1 split into w1/w3)."""
-    return format_to_native(state, cfg, "megatron")
+def megatron_to_native(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                       names: str | None = None) -> dict[str, torch.Tensor]:
+    """Megatron torch_dist keys -> native names (experts unstacked, linear_fc1 split into w1/w3, alphas joined);
+    `names` None: detected from the keys (`detect_megatron_names`)."""
+    names = names or detect_megatron_names(state, where="the Megatron state", default="plugin")
+    return format_to_native(state, cfg, megatron_column(names))
 
 
 # ---------------------------------------------------------------------------------------------- expert fusions

@@ -9,12 +9,14 @@ Layout (what Megatron's `save_checkpoint` + Miles' converter produce, reference/
     DST/release/.metadata                        pickled torch.distributed.checkpoint Metadata
     DST/release/__0_<k>.distcp                   tensor chunks, each a `torch.save` record (DCP format)
 
-Keys are Megatron names (`checkpoints/names.py`, megatron column); routed experts are one tensor per
+Keys are Megatron names (`checkpoints/names.py`) of one Miles generation: Miles' plugin names (`plugin`, the
+first DeepSeek-V4 generation) or Megatron's names (`megatron`, the second: mHC scales split into three alphas),
+recorded in common.pt["v4rl"]["megatron_names"]; readers detect them from the keys. Routed experts are one tensor per
 layer `[E, 2I, H]` / `[E, H, I]`. A writer stores every native tensor as its own DCP *chunk* of that
 tensor (offsets `(e, 0, 0)` for w1, `(e, I, 0)` for w3), exactly as Megatron stores EP/TP shards, so
 conversion streams and never holds a fused tensor; any DCP reader (megatron-core included) reshards
 on load. Dtypes: BF16, except tensors the model keeps in fp32 (sinks, ape, hc_*, expert bias) and the
-int64 tid2eid table (`TORCH_DIST_DTYPES`).
+int32 tid2eid table (`TORCH_DIST_DTYPES`).
 
     writer = ChunkFileWriter(tmp / "release" / "__0_0.distcp")         # append chunks, then close()
     write_dcp_metadata(tmp / "release", records, megatron_specs(cfg))  # .metadata
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 
-from checkpoints.names import placement
+from checkpoints.names import detect_megatron_names, megatron_column, placements
 from engines.model.config import CSA, HASH_MOE, HCA, ModelConfig
 from engines.model.params import native_param_specs
 
@@ -61,8 +63,9 @@ DCP_METADATA_FILE = ".metadata"
 CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                         "common_backend": "torch", "common_backend_version": 1}
 TORCH_DIST_DTYPES: dict[str, torch.dtype] = {"fp8": torch.bfloat16, "fp4": torch.bfloat16, "bf16": torch.bfloat16,
-                                             "fp32": torch.float32, "int64": torch.int64}
-"""Storage kind of a native tensor (engines/model/params.py) -> its dtype in a BF16 torch_dist checkpoint."""
+                                             "fp32": torch.float32, "int64": torch.int32}
+"""Storage kind of a native tensor (engines/model/params.py) -> its dtype in a BF16 torch_dist checkpoint.
+`tid2eid` (int64 in the HF checkpoint) is int32 here: both Miles generations' routers hold it as int32."""
 IGNORED_KEY_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine", "content_metadata")
 """Non-model DCP keys a training checkpoint adds; readers of model weights skip them."""
 
@@ -101,13 +104,23 @@ class ChunkRecord:
     length: int
 
 
-def megatron_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every Megatron tensor of a model with this config, in native order (fused ones at first use)."""
+def megatron_specs(cfg: ModelConfig, names: str = "plugin") -> dict[str, TensorSpec]:
+    """Every Megatron tensor of a model with this config under `names` (checkpoints/names.py MegatronNames:
+    `plugin` or `megatron`), in native order (fused ones at first use)."""
     out: dict[str, TensorSpec] = {}
     for name, spec in native_param_specs(cfg).items():
-        p = placement(name, spec.shape, "megatron", cfg.n_routed_experts)
-        out.setdefault(p.name, TensorSpec(p.global_shape, TORCH_DIST_DTYPES[spec.kind]))
+        for p in placements(name, spec.shape, megatron_column(names), cfg.n_routed_experts):
+            out.setdefault(p.name, TensorSpec(p.global_shape, TORCH_DIST_DTYPES[spec.kind]))
     return out
+
+
+def stored_megatron_names(reader_or_keys: Any, *, where: str) -> str:
+    """The MegatronNames of a torch_dist checkpoint, from its keys (a TorchDistReader or an iterable of keys)."""
+    keys = reader_or_keys.tensors if hasattr(reader_or_keys, "tensors") else reader_or_keys
+    try:
+        return detect_megatron_names(keys, where=where)
+    except ValueError as exc:
+        raise TorchDistError(str(exc)) from None
 
 
 # ============================================================================================== writing
@@ -310,11 +323,14 @@ def megatron_args(cfg: ModelConfig, **overrides: Any) -> argparse.Namespace:
 
 
 def write_common(ckpt_dir: Path, cfg: ModelConfig, *, hf_config: Mapping[str, Any],
-                 extra: Mapping[str, Any] | None = None, iteration: int = 0) -> None:
-    """Write `common.pt`: Megatron args + iteration, and under "v4rl" the HF config.json it came from."""
+                 extra: Mapping[str, Any] | None = None, iteration: int = 0, names: str = "plugin") -> None:
+    """Write `common.pt`: Megatron args + iteration, and under "v4rl" the HF config.json it came from and the
+    Megatron names the keys use (`megatron_names`: plugin | megatron)."""
+    megatron_column(names)  # refuses an unknown value
     common = {"args": megatron_args(cfg, iteration=iteration), "iteration": iteration, "checkpoint_version": 3.0,
               "num_floating_point_operations_so_far": 0,
-              "v4rl": {"format_version": 1, "hf_config": dict(hf_config), **dict(extra or {})}}
+              "v4rl": {"format_version": 1, "hf_config": dict(hf_config), "megatron_names": names,
+                       **dict(extra or {})}}
     buf = io.BytesIO()
     torch.save(common, buf)
     atomic_write_bytes(Path(ckpt_dir) / COMMON_FILE, buf.getvalue())

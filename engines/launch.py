@@ -27,6 +27,12 @@ __all__ = ["InfeasibleLayout", "MILES_1NODE_RUN", "MILES_32GPU_RUN", "OVERRIDES"
            "SEED_RUN", "Site", "TINY_RUN", "apply_overrides", "get_run_preset", "launch_plan", "layout_input",
            "preflight_plan", "resolve"]
 
+PARALLEL_FLAGS = ("--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+                  "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                  "--decoder-last-pipeline-num-layers", "--context-parallel-size", "--allgather-cp",
+                  "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+"""The Megatron parallel flags of the Miles job a launch plan shows per actor rank."""
+
 
 def _coords(rank: int, sizes: list[tuple[str, int]]) -> dict[str, int]:
     """Megatron's rank -> grid coordinates for an order like tp-cp-ep-dp-pp (first varies fastest)."""
@@ -52,7 +58,8 @@ def launch_plan(preset_name: str, overrides: Mapping[str, Any] | None = None, *,
     submit = miles.submit_argv(command, site) if site.resolved_ray_address else \
         miles.submit_argv(command, Site(ray_address="${RAY_ADDRESS}"))
     flags = command.flag_values()
-    megatron_args = miles.megatron_parallel_args(preset)
+    # the parallel flags exactly as the job has them (a stage split or, for Miles' generation 2, a layout string)
+    megatron_args = [a for flag in flags if flag in PARALLEL_FLAGS for a in (flag, *flags[flag])]
     engine_args = [a for flag in ("--rollout-num-gpus-per-engine", *(f for f in flags if f.startswith("--sglang-")))
                    for a in (flag, *flags[flag])]
     stage_start = [sum(plan.pipeline_layers[:i]) for i in range(len(plan.pipeline_layers))]

@@ -102,6 +102,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "prompt_data": ("data", "prompt_data"), "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
     "fp8_training": ("miles", "fp8_training"), "rollout_routing_replay": ("miles", "rollout_routing_replay"),
     "fault_tolerance": ("miles", "fault_tolerance"), "save_interval": ("miles", "save_interval"),
+    "miles_generation": ("miles", "generation"), "dsv4_impl": ("miles", "dsv4_impl"),
 }
 _SECTIONS = ("parallel", "cluster", "train", "rollout", "run", "eval", "algorithm", "data", "miles")
 

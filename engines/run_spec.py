@@ -125,6 +125,19 @@ class MilesSettings:
     """--train-memory-margin-bytes (Miles' launcher: 3 GiB)."""
     sglang_watchdog_timeout_s: int = 1800
     """--sglang-watchdog-timeout (Miles' launcher: 1800 s; ROCm tunes GEMMs slowly on first use)."""
+    generation: int = 1
+    """Which Miles DeepSeek-V4 generation the job (and the converted checkpoint's names) is for; read from the
+    user's checkout by engines/train/miles/generation.py (`v4rl plan --miles-dir`, the flow's miles_check_dir).
+    1: Miles main 31f1ca961 + Megatron-LM 2e64d788b (plugin weight names, `--experimental-attention-variant
+    dsv4`, pipeline stages by `--decoder-first/last-pipeline-num-layers`). 2: Miles e9e19b223 + Megatron-LM
+    6184c094a (Megatron's weight names, `--dsv4-impl`; with hash-routed layers and PP > 1 Megatron's config
+    build requires `--pipeline-model-parallel-layout`, which v4rl then writes from the same stage sizes)."""
+    dsv4_impl: str = "miles"
+    """--dsv4-impl, generation 2 only. "miles": the plugin's attention (BSHD, tilelang kernels, sparse context
+    parallelism), the only one with tensor parallelism, what Miles defaults to. "megatron": Megatron's own
+    dsv4_hybrid attention (THD); needs TP=1 (Miles refuses more) and a `--dsa-kernel-backend`: cudnn (Megatron's
+    default) exists on CUDA only, so v4rl passes `none` (the PyTorch path) on other accelerators. Both read the
+    same checkpoint names; their torch_dist training saves are not interchangeable."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -96,6 +97,15 @@ class PipelineParams(BaseModel):
                                                           "check; None: $V4RL_MILES_DIR or the pinned tarball.")
     megatron_check_dir: str | None = Field(None, description="Megatron-LM checkout on this host for that check; "
                                                              "None: $V4RL_MEGATRON_DIR or the pinned tarball.")
+    miles_generation: int | None = Field(None, ge=1, le=2,
+                                         description="Miles' DeepSeek-V4 generation on the cluster: 1 (31f1ca961, "
+                                                     "plugin weight names) or 2 (e9e19b223 and later, Megatron's "
+                                                     "names, --dsv4-impl). None: read from miles_check_dir's (else "
+                                                     "$V4RL_MILES_DIR's) code, else 1. Decides the converted "
+                                                     "checkpoint's names and the job's flags.")
+    dsv4_impl: str = Field("miles", pattern=r"^(miles|megatron)$",
+                           description="--dsv4-impl for a generation-2 Miles: miles (plugin attention, TP allowed) "
+                                       "or megatron (Megatron's dsv4_hybrid; TP 1).")
     align_sglang_url: str | None = Field(None, description="SGLang server serving hf_checkpoint for the cluster "
                                          "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
                                          "on the Ray cluster for the gate and stopped before Megatron rescores.")
@@ -187,6 +197,27 @@ class PipelineParams(BaseModel):
                              "at least one evaluation runs")
         return self
 
+    def resolved_miles_generation(self) -> int:
+        """miles_generation, else the generation of the Miles checkout on this host (miles_check_dir, else
+        $V4RL_MILES_DIR), else 1: the same answer for the conversion, the preflight and the job."""
+        if self.miles_generation is not None:
+            return self.miles_generation
+        local = self.miles_check_dir or os.environ.get("V4RL_MILES_DIR")
+        if not local:
+            return 1
+        from engines.train.miles.generation import detect_generation
+
+        return detect_generation(local).generation
+
+    def megatron_names(self) -> str:
+        """The torch_dist key names the convert task writes: the cluster's Miles generation's (plugin names for
+        the embedded engines, whose trainer reads either)."""
+        from engines.backends import pipeline_backend
+
+        if not pipeline_backend(self.preset).on_cluster:
+            return "plugin"
+        return "megatron" if self.resolved_miles_generation() == 2 else "plugin"
+
     def miles_overrides(self) -> dict:
         """The run preset overrides these parameters make on the cluster path (engines.run_presets OVERRIDES)."""
         out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
@@ -197,6 +228,9 @@ class PipelineParams(BaseModel):
             out["prompt_data"] = self.train_data
         if self.eval_data:
             out["eval_datasets"] = [[self.eval_name, self.eval_data]]
+        generation = self.resolved_miles_generation()
+        if generation != 1 or self.dsv4_impl != "miles":  # only when not the preset's own (generation 1, miles)
+            out.update(miles_generation=generation, dsv4_impl=self.dsv4_impl)
         return out
 
     def miles_job(self):

@@ -65,7 +65,7 @@ def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     preflight(params.preset, params.seed, hf_checkpoint=params.hf_checkpoint, train_data=params.train_data,
               eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
               reward=params.reward, eval_reward=params.eval_reward, miles=cluster)
-    converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"))
+    converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"), megatron_names=params.megatron_names())
     verify(converted["dst"], params.hf_checkpoint)
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
                       prompts=params.align_prompts, threshold=params.align_threshold, artifact_key=f"{artifact}-align",

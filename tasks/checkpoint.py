@@ -23,18 +23,23 @@ def source_identity(hf_dir: str) -> str:
 
 
 def _convert_key(context, parameters) -> str:
-    return f"convert-{source_identity(parameters['hf_dir'])}-{hashlib.sha256(parameters['dst'].encode()).hexdigest()[:12]}"
+    names = parameters.get("megatron_names") or "plugin"
+    suffix = "" if names == "plugin" else f"-{names}"  # plugin: the key runs converted before keep
+    return (f"convert-{source_identity(parameters['hf_dir'])}-{hashlib.sha256(parameters['dst'].encode()).hexdigest()[:12]}"
+            f"{suffix}")
 
 
 @task(name="convert", cache_key_fn=_convert_key, persist_result=True, retries=1, retry_delay_seconds=5,
       timeout_seconds=6 * 3600)
-def convert(hf_dir: str, dst: str, workers: int | None = None) -> dict:
-    """HF FP8/FP4 -> Megatron torch_dist BF16 (streaming, atomic); a no-op when dst is complete for this source."""
+def convert(hf_dir: str, dst: str, workers: int | None = None, megatron_names: str = "plugin") -> dict:
+    """HF FP8/FP4 -> Megatron torch_dist BF16 (streaming, atomic); a no-op when dst is complete for this source.
+    `megatron_names`: the key names of the Miles generation that loads it (plugin | megatron; the flow takes them
+    from its Miles settings, flows/params.py PipelineParams.megatron_names)."""
     from checkpoints.convert import convert_hf_to_torch_dist
 
-    result = convert_hf_to_torch_dist(hf_dir, dst, workers=workers)
+    result = convert_hf_to_torch_dist(hf_dir, dst, workers=workers, megatron_names=megatron_names)  # type: ignore[arg-type]
     return {"dst": str(result.dst), "skipped": result.skipped, "tensors": result.tensors,
-            "bytes_out": result.bytes_out, "seconds": result.seconds}
+            "bytes_out": result.bytes_out, "seconds": result.seconds, "megatron_names": megatron_names}
 
 
 @task(name="verify", cache_policy=NO_CACHE, timeout_seconds=3 * 3600)

@@ -1,4 +1,5 @@
-"""Pins the Megatron column of checkpoints/names.py: the names Miles' DeepSeek-V4 bridge uses, the expert
+"""Pins the Megatron columns of checkpoints/names.py: the names each Miles generation's DeepSeek-V4 model uses
+(plugin names for 31f1ca961; Megatron's names for e9e19b223, mHC scales split into alpha_pre/post/res), the expert
 stacking `[E, 2I, H]` (gate rows, then up rows) and `[E, H, I]`, the shared-expert gate/up fusion, and
 that whole-state fusion, splitting and the streaming converters' per-tensor `placement` agree, because
 they all read the same table. No megatron-core here: pure names and arange tensors.
@@ -18,6 +19,7 @@ from checkpoints.names import (
     NAME_TABLE,
     Part,
     convert_name,
+    detect_megatron_names,
     fuse_down,
     fuse_gate_up,
     megatron_to_native,
@@ -26,6 +28,7 @@ from checkpoints.names import (
     native_to_megatron_name,
     native_to_transformers,
     placement,
+    placements,
 )
 from checkpoints.torch_dist import TORCH_DIST_DTYPES, megatron_specs
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
@@ -147,10 +150,11 @@ def test_megatron_specs_shapes_and_dtypes(cfg):
     assert specs["decoder.layers.1.self_attention.compressor.ape"].dtype == torch.float32
     assert specs["decoder.layers.1.hc_attn_fn"].dtype == torch.float32
     assert specs["decoder.layers.2.mlp.router.expert_bias"].dtype == torch.float32
-    assert specs["decoder.layers.0.mlp.router.tid2eid"].dtype == torch.int64
+    assert specs["decoder.layers.0.mlp.router.tid2eid"].dtype == torch.int32  # as both Miles routers hold it
+    assert specs["decoder.layers.0.mlp.router.tid2eid"].shape == (cfg.vocab_size, cfg.num_experts_per_tok)
     assert specs["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].dtype == torch.bfloat16
     assert specs["embedding.word_embeddings.weight"].dtype == torch.bfloat16
-    assert {TORCH_DIST_DTYPES[k] for k in kinds.values()} == {torch.bfloat16, torch.float32, torch.int64}
+    assert {TORCH_DIST_DTYPES[k] for k in kinds.values()} == {torch.bfloat16, torch.float32, torch.int32}
 
 
 def test_unknown_and_fused_names_fail_loudly(cfg):
@@ -182,3 +186,108 @@ def test_table_is_written_once_and_fusions_are_derived():
     assert megatron_parts == {"decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight",
                               "decoder.layers.{i}.mlp.experts.experts.linear_fc2.weight",
                               "decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight"}
+
+
+# ---------------------------------------------------------------------------------------------- Megatron's names
+GEN2_LAYER_KEYS = {
+    # Miles e9e19b223 + Megatron-LM 6184c094a: DeepSeekV4Attention / DSv4HybridSelfAttention, CSA Compressor and
+    # CSAIndexer, HyperConnectionModule (mapping_proj, bias, alpha_pre/post/res), TransformerBlock's hc_head_*
+    "layers.1.attn.wq_a.weight": "decoder.layers.1.self_attention.linear_q_down_proj.weight",
+    "layers.1.attn.q_norm.weight": "decoder.layers.1.self_attention.q_layernorm.weight",
+    "layers.1.attn.wq_b.weight": "decoder.layers.1.self_attention.linear_q_up_proj.weight",
+    "layers.1.attn.wkv.weight": "decoder.layers.1.self_attention.linear_kv_proj.weight",
+    "layers.1.attn.kv_norm.weight": "decoder.layers.1.self_attention.kv_layernorm.weight",
+    "layers.1.attn.wo_a.weight": "decoder.layers.1.self_attention.linear_o_group_proj",
+    "layers.1.attn.wo_b.weight": "decoder.layers.1.self_attention.linear_proj.weight",
+    "layers.1.attn.attn_sink": "decoder.layers.1.self_attention.core_attention.attn_sink",
+    "layers.1.attn.compressor.wkv.weight": "decoder.layers.1.self_attention.core_attention.compressor.linear_wkv.weight",
+    "layers.1.attn.compressor.wgate.weight":
+        "decoder.layers.1.self_attention.core_attention.compressor.linear_wgate.weight",
+    "layers.1.attn.compressor.norm.weight": "decoder.layers.1.self_attention.core_attention.compressor.norm.weight",
+    "layers.1.attn.compressor.ape": "decoder.layers.1.self_attention.core_attention.compressor.ape",
+    "layers.1.attn.indexer.wq_b.weight": "decoder.layers.1.self_attention.core_attention.indexer.linear_wq_b.weight",
+    "layers.1.attn.indexer.weights_proj.weight":
+        "decoder.layers.1.self_attention.core_attention.indexer.linear_weights_proj.weight",
+    "layers.1.attn.indexer.compressor.ape": "decoder.layers.1.self_attention.core_attention.indexer.compressor.ape",
+    "layers.1.hc_attn_fn": "decoder.layers.1.self_attention_hyper_connection.mapping_proj.weight",
+    "layers.1.hc_attn_base": "decoder.layers.1.self_attention_hyper_connection.bias",
+    "layers.1.hc_ffn_fn": "decoder.layers.1.mlp_hyper_connection.mapping_proj.weight",
+    "layers.1.hc_ffn_base": "decoder.layers.1.mlp_hyper_connection.bias",
+    "hc_head_fn": "decoder.hc_head_fn",
+    "hc_head_base": "decoder.hc_head_base",
+    "hc_head_scale": "decoder.hc_head_scale",
+    "layers.1.ffn.gate.tid2eid": "decoder.layers.1.mlp.router.tid2eid",
+    "layers.1.attn_norm.weight": "decoder.layers.1.input_layernorm.weight",
+}
+
+
+def test_megatron_names_match_miles_second_generation():
+    for native, megatron in GEN2_LAYER_KEYS.items():
+        assert native_to_megatron_name(native, "megatron") == megatron
+        assert megatron_to_native_name(megatron, "megatron") == native
+    with pytest.raises(ValueError, match=r"split into .*alpha_pre.*alpha_post.*alpha_res"):
+        native_to_megatron_name("layers.1.hc_attn_scale", "megatron")
+    with pytest.raises(ValueError, match=r"one block of native tensor 'layers\.1\.hc_ffn_scale'"):
+        megatron_to_native_name("decoder.layers.1.mlp_hyper_connection.alpha_res", "megatron")
+    with pytest.raises(ValueError, match="plugin, megatron"):
+        native_to_megatron_name("embed.weight", "mcore")
+
+
+def test_megatron_names_key_set_alpha_split_and_order(cfg):
+    plugin, megatron = megatron_specs(cfg, "plugin"), megatron_specs(cfg, "megatron")
+    # every layer's two packed scales [3] become three [1] alphas: +4 keys per layer, nothing else changes count
+    assert len(megatron) == len(plugin) + 4 * cfg.num_hidden_layers
+    assert not any(k in plugin for k in megatron if "self_attention." in k and "layernorm" not in k)
+    native = arange_state(cfg)
+    meg = native_to_megatron(native, cfg, "megatron")
+    assert {k: tuple(v.shape) for k, v in meg.items()} == {k: s.shape for k, s in megatron_specs(cfg, "megatron").items()}
+    for site, hc in (("attn", "self_attention_hyper_connection"), ("ffn", "mlp_hyper_connection")):
+        scale = native[f"layers.2.hc_{site}_scale"]
+        got = [meg[f"decoder.layers.2.{hc}.alpha_{a}"] for a in ("pre", "post", "res")]
+        assert [tuple(g.shape) for g in got] == [(1,)] * 3
+        assert torch.equal(torch.cat(got), scale)  # order pre, post, res = DeepSeek's packed order
+    back = megatron_to_native(meg, cfg)  # names detected from the keys
+    assert sorted(back) == sorted(native) and all(torch.equal(back[k], native[k]) for k in native)
+    swapped = dict(meg)
+    swapped["decoder.layers.2.mlp_hyper_connection.alpha_pre"], swapped["decoder.layers.2.mlp_hyper_connection.alpha_res"] = (
+        meg["decoder.layers.2.mlp_hyper_connection.alpha_res"], meg["decoder.layers.2.mlp_hyper_connection.alpha_pre"])
+    assert not torch.equal(megatron_to_native(swapped, cfg)["layers.2.hc_ffn_scale"], native["layers.2.hc_ffn_scale"])
+    del swapped["decoder.layers.2.mlp_hyper_connection.alpha_post"]
+    with pytest.raises(ValueError, match=r"mlp_hyper_connection\.alpha_post is missing"):
+        megatron_to_native(swapped, cfg, "megatron")
+
+
+def test_placements_agree_with_whole_state_split(cfg):
+    native = arange_state(cfg)
+    meg = native_to_megatron(native, cfg, "megatron")
+    for name, t in native.items():
+        boxes = placements(name, tuple(t.shape), "megatron2", cfg.n_routed_experts)
+        for p in boxes:
+            box = meg[p.name][tuple(slice(o, o + s) for o, s in zip(p.offsets, p.sizes))]
+            assert torch.equal(box, p.take(t)), name
+        assert sum(math.prod(p.sizes) for p in boxes) == t.numel()
+    with pytest.raises(ValueError, match="use placements"):
+        placement("layers.0.hc_attn_scale", (3,), "megatron2", 4)
+
+
+def test_names_are_detected_from_keys(cfg):
+    plugin, megatron = megatron_specs(cfg, "plugin"), megatron_specs(cfg, "megatron")
+    assert detect_megatron_names(plugin) == "plugin" and detect_megatron_names(megatron) == "megatron"
+    noise = ["optimizer.state.exp_avg.decoder.layers.0.x", "decoder.layers.0.self_attention.linear_proj._extra_state"]
+    assert detect_megatron_names([*megatron, *noise]) == "megatron"
+    with pytest.raises(ValueError, match=r"mixes Miles' plugin names .*self_attention\.wq_a"):
+        detect_megatron_names([*megatron, "decoder.layers.0.self_attention.wq_a.weight"])
+    with pytest.raises(ValueError, match="no DeepSeek-V4 tensor"):
+        detect_megatron_names(["embedding.word_embeddings.weight", "output_layer.weight"])
+
+
+def test_megatron_names_column_is_written_once_and_split_as_parts():
+    splits = [row for row in NAME_TABLE if isinstance(row[4], tuple)]
+    assert [row[0] for row in splits] == ["layers.{i}.hc_attn_scale", "layers.{i}.hc_ffn_scale"]
+    for row in splits:
+        assert [(p.name.rsplit(".", 1)[1], p.index, p.parts) for p in row[4]] == [
+            ("alpha_pre", 0, 3), ("alpha_post", 1, 3), ("alpha_res", 2, 3)]
+        assert all(isinstance(p, Part) for p in row[4])
+    # expert stacking and fusion are the same Parts in both Megatron generations
+    assert [row[3] for row in NAME_TABLE if isinstance(row[3], Part)] == [
+        row[4] for row in NAME_TABLE if isinstance(row[4], Part)]

@@ -54,7 +54,8 @@ def native(cfg) -> dict[str, torch.Tensor]:
     out = {}
     for name, spec in native_param_specs(cfg).items():
         dtype = TORCH_DIST_DTYPES[spec.kind]
-        out[name] = (torch.randint(0, cfg.n_routed_experts, spec.shape, generator=g) if dtype == torch.int64
+        out[name] = (torch.randint(0, cfg.n_routed_experts, spec.shape, generator=g, dtype=dtype)
+                     if not dtype.is_floating_point
                      else torch.randn(spec.shape, generator=g).to(dtype))
     return out
 

@@ -1,7 +1,8 @@
 """`v4rl convert | export | verify-ckpt`: checkpoint formats, thin wrappers over checkpoints/convert.py.
 
     v4rl convert ckpt/hf-fp8 ckpt/torch_dist --workers 8          # HF FP8/FP4 -> Megatron torch_dist BF16
-    v4rl export ckpt/torch_dist ckpt/hf-bf16 --format hf-bf16      # torch_dist -> HF BF16
+    v4rl convert ckpt/hf-fp8 ckpt/torch_dist --miles-dir ~/miles   # ... under the names that Miles' model asks for
+    v4rl export ckpt/torch_dist ckpt/hf-bf16 --format hf-bf16      # torch_dist (either Miles' names) -> HF BF16
     v4rl export ckpt/torch_dist ckpt/hf-fp8 --format hf-fp8 --like ckpt/hf-fp8-original
     v4rl verify-ckpt ckpt/torch_dist --against ckpt/hf-fp8         # megatron-core load + value check
 
@@ -42,22 +43,32 @@ def register(app: typer.Typer) -> None:
                 workers: int = typer.Option(0, help="Worker processes (0: one per CPU core)."),
                 force: bool = typer.Option(False, help="Replace dst if it holds something else."),
                 verify: str = typer.Option("structure", help="structure | full (values vs source) | none."),
-                progress: bool = typer.Option(True, help="Show a progress bar with bytes/s.")) -> None:
+                progress: bool = typer.Option(True, help="Show a progress bar with bytes/s."),
+                miles_dir: Path = typer.Option(None, envvar="V4RL_MILES_DIR",
+                                               help="The Miles checkout that will load it: write the Megatron names "
+                                                    "its DeepSeek-V4 model asks for (read from its code)."),
+                megatron_names: str = typer.Option(None, help="Force the key names: plugin (Miles' first DeepSeek-V4 "
+                                                              "generation) | megatron (Megatron's names, Miles "
+                                                              "e9e19b223 and later). Default: from --miles-dir, "
+                                                              "else plugin.")) -> None:
         """Convert HF FP8/FP4 -> Megatron torch_dist BF16: streamed, parallel, atomic; a no-op when up to date."""
         if verify not in ("structure", "full", "none"):
             _fail(f"--verify must be structure, full or none; got {verify!r}")
         from checkpoints.convert import convert_hf_to_torch_dist
+        from engines.train.miles.generation import megatron_names_for
 
         try:
+            names, why = megatron_names_for(miles_dir, megatron_names)
             r = convert_hf_to_torch_dist(src, dst, workers=workers or None, force=force, verify=verify,  # type: ignore[arg-type]
-                                         progress=progress)
+                                         progress=progress, megatron_names=names)
         except _errors() as exc:
             _fail(str(exc))
         if r.skipped:
-            typer.echo(f"{dst} is already a complete conversion of {src}; nothing to do")
+            typer.echo(f"{dst} is already a complete conversion of {src} ({names} names); nothing to do")
             return
         typer.echo(f"wrote {dst}: {r.tensors} tensors, {_gib(r.bytes_out)} in {r.seconds:.1f} s "
                    f"({r.bytes_per_second / 2**20:.0f} MiB/s, {r.workers} workers, {r.files} chunk files)")
+        typer.echo(f"Megatron names: {names} ({why})")
 
     @app.command()
     def export(src: Path = typer.Argument(..., help="Megatron torch_dist checkpoint (root or iteration dir)."),

@@ -7,8 +7,9 @@
                      stored) samples one response per prompt with a fixed seed and reports the RAW
                      logprob of each sampled token; returns those rollouts and an fp32 copy of the
                      engine's own weights for the layer-by-layer comparison.
-  load_torch_dist    a torch_dist directory (release or training iteration) read through megatron-core
-                     into native names, after checking it holds the same model as the HF directory.
+  load_torch_dist    a torch_dist directory (release or training iteration, either Miles generation's
+                     Megatron names) read through megatron-core into native names, after checking it
+                     holds the same model as the HF directory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from checkpoints.names import megatron_to_native
 from checkpoints.megatron_io import megatron_load, megatron_tensor_metadata
-from checkpoints.torch_dist import Box, hf_config_of, megatron_specs, resolve_iteration_dir
+from checkpoints.torch_dist import Box, hf_config_of, megatron_specs, resolve_iteration_dir, stored_megatron_names
 from engines.model import DeepseekV4, ModelConfig
 
 HELD_OUT_PROBLEMS = 200
@@ -86,8 +87,9 @@ def load_torch_dist(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
         if raw is not None and ModelConfig.from_hf_dict(raw) != cfg:
             raise AlignError(f"{d} holds a different model than --model (the config stored in common.pt differs "
                              "from config.json); convert this HF directory with `v4rl convert` and align those two")
-        specs = megatron_specs(cfg)
         stored = megatron_tensor_metadata(d)
+        names = stored_megatron_names(stored, where=str(d))  # either Miles generation's names
+        specs = megatron_specs(cfg, names)
         missing = [k for k in specs if k not in stored]
         wrong = [k for k in specs if k in stored and tuple(stored[k].shape) != tuple(specs[k].shape)]
         if missing or wrong:
@@ -100,5 +102,5 @@ def load_torch_dist(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
         raise
     except (OSError, ValueError) as exc:  # TorchDistError is a ValueError
         raise AlignError(f"cannot read the torch_dist checkpoint {path}: {exc}") from exc
-    native = megatron_to_native({b.key: t for b, t in zip(boxes, tensors)}, cfg)
+    native = megatron_to_native({b.key: t for b, t in zip(boxes, tensors)}, cfg, names)
     return {k: v.float() if v.is_floating_point() else v for k, v in native.items()}

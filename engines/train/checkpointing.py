@@ -43,6 +43,8 @@ from checkpoints.torch_dist import (
     TorchDistError,
     atomic_write_bytes,
     megatron_specs,
+    read_dcp_metadata,
+    stored_megatron_names,
     write_checkpointing_config,
     write_common,
     write_dcp_metadata,
@@ -212,15 +214,17 @@ def load_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig) -> d
     """{"weights": the torch_dist model read by megatron-core (native names), "master": fp32 master weights,
     "trainer", "rng", "extra"} of iteration `step`."""
     d = iteration_dir(Path(root), step)
-    specs = megatron_specs(cfg)
-    boxes = [Box(key, (0,) * len(spec.shape), spec.shape) for key, spec in specs.items()]
     try:  # a corrupt file names itself (and the tensor) and says how to resume from an earlier iteration
+        names = stored_megatron_names(read_dcp_metadata(d).state_dict_metadata, where=str(d))  # either generation
+        specs = megatron_specs(cfg, names)
+        boxes = [Box(key, (0,) * len(spec.shape), spec.shape) for key, spec in specs.items()]
         state = read_trainer_state(d / TRAINER_STATE, step, cfg)
         tensors = megatron_load(d, boxes, specs)
     except TorchDistError as exc:
         raise TorchDistError(f"{exc}. {_earlier_iterations_hint(Path(root), step)}") from exc
     megatron_state = {b.key: t for b, t in zip(boxes, tensors)}
-    weights = {k: (v.float() if v.is_floating_point() else v) for k, v in megatron_to_native(megatron_state, cfg).items()}
+    weights = {k: (v.float() if v.is_floating_point() else v)
+               for k, v in megatron_to_native(megatron_state, cfg, names).items()}
     return {"weights": weights, **state}
 
 

@@ -55,6 +55,32 @@ def megatron_tree() -> Path:
 
 
 @pytest.fixture(scope="session")
+def miles_gen2_tree() -> Path:
+    """Miles e9e19b223 (DeepSeek-V4 generation 2: Megatron's names, --dsv4-impl), from the vendor tarball; with
+    $V4RL_MILES_DIR set, that checkout when it is of generation 2 (else skipped)."""
+    return _generation_tree(2, engine_sources.miles_tree, engine_sources.MILES_GEN2)
+
+
+@pytest.fixture(scope="session")
+def megatron_gen2_tree() -> Path:
+    """Megatron-LM dsv4-dual-backend 6184c094a (fits Miles e9e19b223), or $V4RL_MEGATRON_DIR with a gen-2 Miles."""
+    return _generation_tree(2, engine_sources.megatron_tree, engine_sources.MEGATRON_GEN2)
+
+
+def _generation_tree(generation: int, get, pin) -> Path:
+    if os.environ.get(pin.env):
+        from engines.train.miles.generation import detect_generation
+
+        user_miles = _or_skip(engine_sources.miles_tree)
+        found = detect_generation(user_miles).generation
+        if found != generation:
+            pytest.skip(f"${engine_sources.MILES.env} is a generation-{found} Miles; generation-{generation} checks "
+                        "run on the vendor tarballs only")
+        return _or_skip(get)
+    return _or_skip(get, None, pin)
+
+
+@pytest.fixture(scope="session")
 def sglang_paths() -> list[Path]:
     """sys.path entries for the pinned SGLang (cached by setup.sh; installed here if the registry answers)."""
     return _or_skip(engine_sources.sglang_paths)

@@ -6,12 +6,18 @@ accelerator answering torch.cuda, and the job's runtime env. For the seed's layo
 which Miles' launcher has no preset for) and Miles' 32-GPU layout (TP4 PP4 EP8) the parallel sizes,
 batch/sample counts, eval datasets, save interval, TIS and offload resolve to v4rl's values. A Miles checkout
 of another version (the PR-head tarball) names the flag it rejects, and the runtime env is part of what Miles
-checks (Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1). About 40 s per parse on 2 cores.
+checks (Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1). Every accepted argv then goes through
+Megatron's own `core_transformer_config_from_args` (TransformerConfig's checks). Both Miles DeepSeek-V4 generations:
+31f1ca961 + 2e64d788b with the stage sizes, e9e19b223 + 6184c094a with the pipeline layout string its config build
+requires (the seed's layout in the default run; the 32-GPU layout, the megatron impl and the refusal of the old
+stage flags are `slow`). About 40 s per parse on 2 cores.
 
     .venv/bin/python -m pytest tests/conformance/test_miles_parse_args.py -q
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -42,6 +48,59 @@ def test_miles_accepts_the_job_and_resolves_it_as_meant(tmp_path, miles_tree, me
     assert r["save_interval"] == 20 and r["use_tis"] is True and r["optimizer_cpu_offload"] is True
     assert r["load"] == r["ref_load"] == "/cluster/V4-Flash_torch_dist" and r["start_rollout_id"] == 0  # fresh
     assert r["compress_ratios"][:4] == [0, 0, 4, 128] and r["num_layers"] == 43  # read back from config.json
+    assert check.stage == "config" and r["config"]["num_layers"] == 43  # Megatron's TransformerConfig builds too
+
+
+def _second_generation(preset, impl: str = "miles"):
+    return dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=2, dsv4_impl=impl))
+
+
+@pytest.mark.parametrize("preset, impl", [
+    (SEED_RUN, "miles"),
+    pytest.param(MILES_32GPU_RUN, "miles", marks=pytest.mark.slow),
+    pytest.param(SEED_RUN, "megatron", marks=pytest.mark.slow),
+], ids=["seed-miles", "32gpu-miles", "seed-megatron"])
+def test_second_generation_accepts_the_layout_and_builds_megatrons_config(tmp_path, miles_gen2_tree,
+                                                                          megatron_gen2_tree, sglang_paths, preset,
+                                                                          impl):
+    """Miles e9e19b223 + Megatron-LM 6184c094a: parse_args, then Megatron's own config build, which refuses hash
+    layers with PP > 1 unless the layout string is given (conformance C7)."""
+    check = check_job(_second_generation(preset, impl), _job(tmp_path), site=SITE, miles_dir=miles_gen2_tree,
+                      megatron_dir=megatron_gen2_tree)
+    assert check.ok, check.summary()
+    r = check.resolved
+    assert (check.stage, check.generation, r["dsv4_impl"]) == ("config", 2, impl)
+    assert r["pipeline_model_parallel_layout"] == "Et*11|t*11|t*11|t*10L" == r["config"]["pipeline_model_parallel_layout"]
+    assert r["decoder_first_pipeline_num_layers"] is None and r["decoder_last_pipeline_num_layers"] is None
+    assert r["config"]["experimental_attention_variant"] == ("dsv4_hybrid" if impl == "megatron" else "dsv4")
+    assert r["dsa_kernel_backend"] == ("none" if impl == "megatron" else None)  # MI355X has no cuDNN
+
+
+@pytest.mark.slow
+def test_second_generation_refuses_the_first_generations_stage_flags(tmp_path, miles_gen2_tree, megatron_gen2_tree,
+                                                                    sglang_paths):
+    """The seed's `--decoder-last-pipeline-num-layers 10` passes Miles' parser but not Megatron's config build."""
+    from engines.profiles import get_profile
+    from engines.run_presets import layout_input
+    from engines.train.miles import build_command
+    from engines.train.miles.preflight import check_command
+
+    preset, job = _second_generation(SEED_RUN), _job(tmp_path)
+    profile = get_profile(preset.profile)
+    cluster = layout_input(preset, profile=profile).cluster
+    command = build_command(preset, job, site=SITE, cluster=cluster, profile=profile)
+    i = command.argv.index("--pipeline-model-parallel-layout")
+    argv = [*command.argv[:i], "--decoder-last-pipeline-num-layers", "10", *command.argv[i + 2:]]
+    check = check_command(dataclasses.replace(command, argv=argv), preset, job, cluster=cluster, profile=profile,
+                          miles_dir=miles_gen2_tree, megatron_dir=megatron_gen2_tree)
+    assert not check.accepted and check.stage == "config"
+    assert "pipeline_model_parallel_layout must be set when using hash MoE" in check.error
+
+
+def test_a_generation_mismatch_is_named(tmp_path, miles_gen2_tree, megatron_gen2_tree, sglang_paths):
+    """A generation-1 job against a generation-2 Miles: the preflight says which setting to change."""
+    check = check_job(SEED_RUN, _job(tmp_path), site=SITE, miles_dir=miles_gen2_tree, megatron_dir=megatron_gen2_tree)
+    assert not check.ok and "set miles_generation 2" in check.summary()
 
 
 def test_miles_of_another_version_names_the_flag_it_rejects(tmp_path, miles_seed_pr_tree, megatron_tree,

@@ -2,7 +2,8 @@
 
 v4rl owns the whole job: from the run preset, the planner's cluster, the checkpoint's config.json and the
 hardware profile it builds the complete `train.py` argv (model flags: model_args.py; the rest: train_args.py)
-and the runtime environment every rank gets (env.py), for the one supported Miles (PIN below). It is submitted
+and the runtime environment every rank gets (env.py), for either Miles DeepSeek-V4 generation (MILES_PINS below,
+MilesSettings.generation). It is submitted
 to the user's existing Ray cluster by submit.py; Miles' own launchers are not involved (the seed's launcher
 command for the unmerged PR-head stays reproducible in pr_launcher.py).
 
@@ -20,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.engine_sources import MEGATRON, MILES
+from engines.engine_sources import MEGATRON, MEGATRON_GEN2, MILES, MILES_GEN2
 from engines.layout import ClusterSpec
 from engines.profiles import HardwareProfile, get_profile
 from engines.run_presets import layout_input
@@ -34,9 +35,12 @@ if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
 
 MILES_PIN = {"miles": MILES.short, "megatron_lm": MEGATRON.short, "megatron_lm_branch": "miles-main"}
-"""The one Miles v4rl's job is built and checked for (engines/engine_sources.py holds the pins): radixark/miles
-main at 31f1ca961 with radixark/Megatron-LM miles-main at 2e64d788b (what Miles' Dockerfiles clone).
-`v4rl plan --miles-dir DIR` checks a checkout."""
+"""The first DeepSeek-V4 generation's pins (engines/engine_sources.py holds them): radixark/miles main at
+31f1ca961 with radixark/Megatron-LM miles-main at 2e64d788b (what Miles' Dockerfiles clone)."""
+MILES_PINS = {1: MILES_PIN,
+              2: {"miles": MILES_GEN2.short, "megatron_lm": MEGATRON_GEN2.short, "megatron_lm_branch": "dsv4-dual-backend"}}
+"""The pins of each DeepSeek-V4 generation the job is built for (MilesSettings.generation); `v4rl plan --miles-dir
+DIR` detects a checkout's generation and checks the job against it."""
 ENTRYPOINT = "train.py"
 
 
@@ -97,6 +101,8 @@ class MilesCommand:
     """The runtime env vars (Ray delivers them to the driver, every Megatron rank and every SGLang engine)."""
     miles_dir: str
     entrypoint: str = ENTRYPOINT
+    generation: int = 1
+    """The Miles DeepSeek-V4 generation it was built for (MilesSettings.generation)."""
 
     @property
     def script(self) -> str:
@@ -108,7 +114,7 @@ class MilesCommand:
 
     def to_json(self) -> dict[str, Any]:
         return {"entrypoint": self.entrypoint, "script": self.script, "argv": list(self.argv), "env": dict(self.env),
-                "pin": dict(MILES_PIN)}
+                "generation": self.generation, "pin": dict(MILES_PINS[self.generation])}
 
 
 def parse_flags(argv: list[str]) -> dict[str, list[str]]:
@@ -147,13 +153,16 @@ def build_command(preset: RunPreset, job: MilesJob, *, site: Site | None = None,
     profile = profile or get_profile(preset.profile)
     cluster = cluster or layout_input(preset, profile=profile).cluster
     config, source = _model_config(preset, job, hf_config)
-    argv = model_args(config, source=source)
+    argv = model_args(config, source=source, generation=preset.miles.generation)
+    argv += T.dsv4_args(preset, profile)
     argv += T.checkpoint_args(preset, job) + T.rollout_args(preset, job) + T.optimizer_args(preset)
-    argv += T.grpo_args(preset) + T.wandb_args(job) + T.perf_args(preset) + T.eval_args(preset, job)
-    argv += T.sglang_args(preset) + T.misc_args(preset, cluster, profile)
+    argv += T.grpo_args(preset) + T.wandb_args(job)
+    argv += T.perf_args(preset, num_layers=int(config.get("num_hidden_layers") or 0) or None,
+                        hash_layers=int(config.get("num_hash_layers") or config.get("n_hash_layers") or 0))
+    argv += T.eval_args(preset, job) + T.sglang_args(preset) + T.misc_args(preset, cluster, profile)
     argv += list(resume.extra_args if resume else ()) + list(job.extra_args)
     env = job_env(preset, profile, site or Site(), job)
-    return MilesCommand(argv=argv, env=env, miles_dir=job.miles_dir)
+    return MilesCommand(argv=argv, env=env, miles_dir=job.miles_dir, generation=preset.miles.generation)
 
 
 def _model_config(preset: RunPreset, job: MilesJob, given: dict[str, Any] | None) -> tuple[dict[str, Any], str]:

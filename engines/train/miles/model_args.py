@@ -145,8 +145,16 @@ _FROM_CONFIG: list[tuple[str, _Rule | None]] = [
 _SWIGLU_LIMIT = ("--activation-func-clamp-value", "--no-bias-swiglu-fusion", "--no-activation-func-clamp-shared-expert")
 
 
-def model_args(config: Mapping[str, Any], *, source: str = "config.json") -> list[str]:
-    """The architecture flags of `train.py` for this DeepSeek-V4 config.json dict (release format)."""
+GEN2_DROPPED = ("--experimental-attention-variant",)
+"""Flags Miles' second DeepSeek-V4 generation no longer takes from the model script: its `normalize_dsv4_args`
+sets the attention variant from `--dsv4-impl` (dsv4 / dsv4_hybrid), so passing one is ignored at best."""
+
+
+def model_args(config: Mapping[str, Any], *, source: str = "config.json", generation: int = 1) -> list[str]:
+    """The architecture flags of `train.py` for this DeepSeek-V4 config.json dict (release format), as the model
+    script of Miles' DeepSeek-V4 `generation` (1 or 2, engines/train/miles/generation.py) writes them."""
+    if generation not in (1, 2):
+        raise ModelConfigError(f"Miles DeepSeek-V4 generation must be 1 or 2; got {generation!r}")
     c = _Config(config, source)
     if c.get("model_type", default="deepseek_v4") != "deepseek_v4":
         raise ModelConfigError(f"{source} has model_type {config.get('model_type')!r}; the Miles job is built for "
@@ -156,6 +164,8 @@ def model_args(config: Mapping[str, Any], *, source: str = "config.json") -> lis
                                "(--untie-embeddings-and-output-weights); set tie_word_embeddings false")
     args: list[str] = []
     for flag, rule in _FROM_CONFIG:
+        if generation == 2 and flag in GEN2_DROPPED:
+            continue
         value = rule(c) if rule else None
         args += [flag] + ([] if value is None else value if isinstance(value, list) else [value])
     limit = float(c.get("swiglu_limit", default=0.0))

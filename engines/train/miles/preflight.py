@@ -64,6 +64,10 @@ class MilesCheck:
     stubbed: list[str] = field(default_factory=list)
     miles_dir: str = ""
     megatron_dir: str = ""
+    stage: str = ""
+    """Where the probe stopped: parse | validate | config (Megatron's TransformerConfig built) | import."""
+    generation: int = 0
+    """The Miles DeepSeek-V4 generation of miles_dir (engines/train/miles/generation.py)."""
 
     @property
     def ok(self) -> bool:
@@ -75,8 +79,8 @@ class MilesCheck:
         lines = [f"Miles ({self.miles_dir}) " + ("parses v4rl's job, but:" if self.accepted
                                                  else "rejects v4rl's job (nothing was submitted):")]
         lines += [f"  rejected flag {f}: not an option of this Miles (v4rl builds for Miles 31f1ca961 with "
-                  "Megatron-LM 2e64d788b; check out that pin or point --miles-dir/--megatron-dir at it)"
-                  for f in self.rejected]
+                  "Megatron-LM 2e64d788b, or e9e19b223 with 6184c094a; check out a pair or point "
+                  "--miles-dir/--megatron-dir at one)" for f in self.rejected]
         if not self.accepted and not self.rejected:
             lines.append(f"  {self.error.strip().splitlines()[-1] if self.error.strip() else 'failed'}")
         lines += [f"  {m}" for m in self.mismatches] + [f"  {p}" for p in self.problems]
@@ -85,17 +89,26 @@ class MilesCheck:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "accepted": self.accepted, "rejected": self.rejected, "error": self.error,
                 "mismatches": self.mismatches, "problems": self.problems, "resolved": self.resolved,
-                "stubbed": self.stubbed, "miles_dir": self.miles_dir, "megatron_dir": self.megatron_dir}
+                "stubbed": self.stubbed, "miles_dir": self.miles_dir, "megatron_dir": self.megatron_dir,
+                "stage": self.stage, "generation": self.generation}
 
 
-def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec) -> dict[str, Any]:
+def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec,
+                    command: MilesCommand | None = None) -> dict[str, Any]:
     """What v4rl means each checked Miles argument to resolve to (after Miles' own defaults and fallbacks)."""
     p, t, e, m = preset.parallel, preset.train, preset.eval, preset.miles
     has_tracker = (Path(job.save_dir) / "latest_checkpointed_iteration.txt").is_file()
-    return {
+    layout = (command.flag_values().get("--pipeline-model-parallel-layout") or [None])[-1] if command else None
+    generation_values: dict[str, Any] = {}
+    if m.generation == 2:  # Miles' normalize_dsv4_args picks the attention variant from the impl
+        generation_values = {"dsv4_impl": m.dsv4_impl, "experimental_attention_variant":
+                             "dsv4_hybrid" if m.dsv4_impl == "megatron" else "dsv4"}
+    if layout is not None:  # the stage split travels as the layout string; Megatron leaves first/last unset
+        generation_values["pipeline_model_parallel_layout"] = layout
+    return {**generation_values,
         "tensor_model_parallel_size": p.tp, "pipeline_model_parallel_size": p.pp,
-        "decoder_first_pipeline_num_layers": p.first_stage_layers,
-        "decoder_last_pipeline_num_layers": p.last_stage_layers, "context_parallel_size": p.cp,
+        "decoder_first_pipeline_num_layers": None if layout else p.first_stage_layers,
+        "decoder_last_pipeline_num_layers": None if layout else p.last_stage_layers, "context_parallel_size": p.cp,
         "expert_model_parallel_size": p.ep, "expert_tensor_parallel_size": p.expert_tp, "sequence_parallel": p.sp,
         "actor_num_nodes": cluster.actor_nodes, "actor_num_gpus_per_node": cluster.gpus_per_node,
         "rollout_num_gpus": cluster.rollout_gpus, "rollout_num_gpus_per_engine": preset.rollout.engine_tp,
@@ -161,11 +174,21 @@ def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cl
 
     Raises engines.engine_sources.EngineSourceMissing when Miles, Megatron-LM or SGLang cannot be found.
     """
-    from engines.engine_sources import engine_python, megatron_tree, miles_tree, sglang_paths
+    from engines.engine_sources import MILES_GENERATIONS, engine_python, megatron_tree, miles_tree, sglang_paths
     from engines.engine_stubs import GPU_ONLY_ROOTS
+    from engines.train.miles.generation import detect_generation
 
-    miles = miles_tree(miles_dir)
-    megatron = megatron_tree(megatron_dir)
+    pins = MILES_GENERATIONS.get(preset.miles.generation, MILES_GENERATIONS[1])  # the pinned trees of its generation
+    miles = miles_tree(miles_dir, pins[0])
+    megatron = megatron_tree(megatron_dir, pins[1])
+    generation = detect_generation(miles)
+    if generation.generation != preset.miles.generation:  # the argv cannot fit: say so before a 40 s parse
+        mismatch = (f"the job is built for Miles' DeepSeek-V4 generation {preset.miles.generation}, but {miles} is "
+                    f"{generation.label} ({generation.evidence}); set miles_generation {generation.generation} "
+                    "(`v4rl plan --miles-dir` and the flow's miles_check_dir detect it), and convert with the same "
+                    "--miles-dir")
+        return MilesCheck(accepted=False, rejected=[], error=mismatch, miles_dir=str(miles),
+                          megatron_dir=str(megatron), generation=generation.generation)
     paths = [megatron, miles, *sglang_paths()]
     if profile.name not in DEVICES:
         raise ValueError(f"profile {profile.name!r} has no accelerator description for Miles' parser; known: "
@@ -175,16 +198,17 @@ def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cl
     with tempfile.TemporaryDirectory(prefix="v4rl-miles-preflight-") as tmp:
         argv = _local_hf_checkpoint(command.argv, preset, job, Path(tmp))
         request = Path(tmp) / "request.json"
-        request.write_text(json.dumps({"argv": argv, "device": device}))
+        request.write_text(json.dumps({"argv": argv, "device": device, "build_config": True}))
         code = f"import runpy, sys; sys.argv[0] = {str(PROBE)!r}; runpy.run_path({str(PROBE)!r}, run_name='__main__')"
         done = engine_python(code, paths, args=[str(request)], stub_roots=(*GPU_ONLY_ROOTS, *MILES_STUB_ROOTS),
                              env=env, cwd=tmp, timeout=timeout, check=False)
     answer = _answer(done)
     check = MilesCheck(accepted=answer["accepted"], rejected=answer["rejected"], error=answer["error"],
                        resolved=answer.get("resolved") or {}, stubbed=answer.get("stubbed", []),
-                       miles_dir=str(miles), megatron_dir=str(megatron))
+                       miles_dir=str(miles), megatron_dir=str(megatron), stage=answer.get("stage", ""),
+                       generation=generation.generation)
     if check.accepted:
-        check.mismatches = compare_resolved(expected_values(preset, job, cluster), check.resolved)
+        check.mismatches = compare_resolved(expected_values(preset, job, cluster, command), check.resolved)
     check.problems = local_problems(preset, job, check_data=check_data)
     return check
 

@@ -3,7 +3,9 @@
 Each function maps one part of the run preset (engines/run_spec.py) to Miles/Megatron/SGLang flags; every
 value comes from the preset, the planner's cluster, the profile or the job's paths, so any layout the planner
 accepts gets a complete argv (the seed's TP1 PP4 EP4 on 2 + 2 nodes included, which Miles' own launcher has
-no preset for). Constants are Miles' launcher's (scripts/amd/run_deepseek_v4.py at 31f1ca961) and say so.
+no preset for). Constants are Miles' launcher's (scripts/amd/run_deepseek_v4.py at 31f1ca961, the same file at
+e9e19b223) and say so. Where Miles' two DeepSeek-V4 generations differ (MilesSettings.generation: the
+`--dsv4-impl` choice, the pipeline layout string) the functions take the preset's generation.
 """
 
 from __future__ import annotations
@@ -81,21 +83,70 @@ def wandb_args(job: "MilesJob") -> list[str]:
     return args + (["--wandb-team", job.wandb_team] if job.wandb_team else []) + ["--disable-wandb-random-suffix"]
 
 
-def megatron_parallel_args(preset: "RunPreset") -> list[str]:
-    """The Megatron parallel flags of the actor (what every trainer rank is started with)."""
+def pipeline_layout(num_layers: int, pp: int, first: int | None, last: int | None) -> str:
+    """Megatron's `--pipeline-model-parallel-layout` for these stage sizes: `E` (embedding) on the first stage,
+    `t*N` decoder layers per stage, `L` (output layer and loss) on the last, stages split by `|`; the seed's
+    PP4 with a 10-layer last stage is `Et*11|t*11|t*11|t*10L`."""
+    from engines.layout.rules import pipeline_split
+
+    stages, why = pipeline_split(num_layers, pp, first, last)
+    if why:
+        raise ValueError(why)
+    body = [f"t*{n}" for n in stages]
+    return "|".join(("E" if i == 0 else "") + b + ("L" if i == len(body) - 1 else "") for i, b in enumerate(body))
+
+
+def needs_pipeline_layout(preset: "RunPreset", hash_layers: int) -> bool:
+    """Generation 2's Megatron refuses hash-routed MoE layers with PP > 1 unless the layout is given (its
+    TransformerConfig asserts `pipeline_model_parallel_layout must be set`, conformance C7)."""
+    return preset.miles.generation == 2 and preset.parallel.pp > 1 and hash_layers > 0
+
+
+def megatron_parallel_args(preset: "RunPreset", *, num_layers: int | None = None, hash_layers: int = 0) -> list[str]:
+    """The Megatron parallel flags of the actor (what every trainer rank is started with). Stage sizes go as
+    `--decoder-first/last-pipeline-num-layers`, or as one `--pipeline-model-parallel-layout` where the Miles
+    generation needs it (`needs_pipeline_layout`; `num_layers` then required)."""
     p = preset.parallel
     args = ["--tensor-model-parallel-size", str(p.tp)] + (["--sequence-parallel"] if p.sp else [])
     args += ["--pipeline-model-parallel-size", str(p.pp)]
-    if p.first_stage_layers is not None:
-        args += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
-    if p.last_stage_layers is not None:
-        args += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
+    if needs_pipeline_layout(preset, hash_layers):
+        if num_layers is None:
+            raise ValueError("the pipeline layout needs the model's num_layers (config.json num_hidden_layers)")
+        args += ["--pipeline-model-parallel-layout",
+                 pipeline_layout(num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)]
+    else:
+        if p.first_stage_layers is not None:
+            args += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
+        if p.last_stage_layers is not None:
+            args += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
     # DeepSeek-V4 in Miles supports only all-gather CP (hf_validate_args asserts it when CP > 1)
     args += ["--context-parallel-size", str(p.cp)] + (["--allgather-cp"] if p.cp > 1 else [])
     return args + ["--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", str(p.expert_tp)]
 
 
-def perf_args(preset: "RunPreset") -> list[str]:
+def dsv4_args(preset: "RunPreset", profile: "HardwareProfile") -> list[str]:
+    """Generation 2's DeepSeek-V4 implementation choice (MilesSettings.dsv4_impl); nothing for generation 1."""
+    m = preset.miles
+    if m.generation not in (1, 2):
+        raise ValueError(f"preset {preset.name}: miles.generation={m.generation!r}; Miles' DeepSeek-V4 generations "
+                         "are 1 (31f1ca961) and 2 (e9e19b223); set miles_generation 1 or 2")
+    if m.dsv4_impl not in ("miles", "megatron"):
+        raise ValueError(f"preset {preset.name}: miles.dsv4_impl={m.dsv4_impl!r}; use miles or megatron")
+    if m.generation == 1:
+        if m.dsv4_impl != "miles":
+            raise ValueError(f"preset {preset.name}: dsv4_impl={m.dsv4_impl!r} needs Miles' second DeepSeek-V4 "
+                             "generation (e9e19b223 or later; set miles_generation 2); generation 1 has only "
+                             "the plugin implementation")
+        return []
+    if m.dsv4_impl == "megatron" and preset.parallel.tp != 1:
+        raise ValueError(f"preset {preset.name}: dsv4_impl='megatron' needs tensor parallel size 1 (Miles refuses "
+                         f"TP={preset.parallel.tp}); set tp 1 or dsv4_impl 'miles'")
+    args = ["--dsv4-impl", m.dsv4_impl]
+    # Megatron's fused DSA kernels are cuDNN (CUDA only); elsewhere its PyTorch path
+    return args + (["--dsa-kernel-backend", "none"] if m.dsv4_impl == "megatron" and profile.vendor != "nvidia" else [])
+
+
+def perf_args(preset: "RunPreset", *, num_layers: int | None = None, hash_layers: int = 0) -> list[str]:
     """Parallel layout, activation recompute, micro-batches.
 
     Miles trains DeepSeek-V4 with `--qkv-format bshd` (misc_args), which forbids dynamic batch sizes, so
@@ -106,7 +157,7 @@ def perf_args(preset: "RunPreset") -> list[str]:
         raise ValueError(f"preset {preset.name}: train.micro_batching={t.micro_batching!r}, but Miles trains DeepSeek-V4 "
                          "with --qkv-format bshd, which forbids dynamic (packed) batches; set micro_batching="
                          "'per-sample' (one sample per micro-batch, --micro-batch-size 1)")
-    args = megatron_parallel_args(preset)
+    args = megatron_parallel_args(preset, num_layers=num_layers, hash_layers=hash_layers)
     if t.recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif t.recompute == "selective":

@@ -4,8 +4,11 @@ It is the body of the cluster preflight's subprocess (engines/train/miles/prefli
 Megatron-LM first on sys.path, then Miles and SGLang 0.5.23's source, the GPU-only modules stubbed where their
 import fails, and the job's runtime env as its environment (Megatron asserts on CUDA_DEVICE_MAX_CONNECTIONS and
 NCCL_ALGO). The request is a JSON file: {"argv": [...], "device": {"capability": [9, 5], "name": ...,
-"total_memory": ...}}. The answer on stdout after the marker line: {"accepted": bool, "stage": "parse" |
-"validate" | "import", "rejected": [flags], "error": str, "resolved": {...}}.
+"total_memory": ...}, "build_config": bool}. With build_config the parsed args then go through Megatron's own
+`core_transformer_config_from_args` (what Miles' model provider runs first on every rank: TransformerConfig's
+checks of the pipeline layout, MLA and the DeepSeek-V4 contract). The answer on stdout after the marker line:
+{"accepted": bool, "stage": "parse" | "validate" | "config" | "import", "rejected": [flags], "error": str,
+"resolved": {...}}.
 
     python parse_args_probe.py request.json
 """
@@ -35,6 +38,8 @@ RESOLVED = (
     # the jobs the pipeline derives from the training job (engines/train/miles/jobs.py)
     "skip_eval_before_train", "log_passrate", "n_samples_per_eval_prompt", "ckpt_step", "no_load_optim",
     "debug_train_only", "debug_disable_optimizer", "load_debug_rollout_data", "save_debug_train_data",
+    # Miles' second DeepSeek-V4 generation (e9e19b223): implementation and the pipeline layout string
+    "dsv4_impl", "experimental_attention_variant", "dsa_kernel_backend", "pipeline_model_parallel_layout",
 )
 
 
@@ -97,7 +102,21 @@ def probe(request: dict) -> dict:
                 "traceback": traceback.format_exc()[-4000:]}
     resolved = {key: _jsonable(getattr(args, key, None)) for key in RESOLVED}
     resolved["eval_datasets"] = _jsonable(getattr(args, "eval_datasets", None))
-    return {"accepted": True, "stage": "validate", "rejected": [], "error": "", "resolved": resolved}
+    if request.get("build_config"):
+        try:  # what Miles' model provider does first on every rank: Megatron's TransformerConfig from args
+            with contextlib.redirect_stdout(log):
+                from megatron.training.arguments import core_transformer_config_from_args
+
+                config = core_transformer_config_from_args(args)
+        except Exception as exc:  # TransformerConfig.__post_init__ asserts (pipeline layout, MLA, DSv4 contract)
+            return {"accepted": False, "stage": "config", "rejected": [], "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-4000:], "resolved": resolved}
+        layout = getattr(config, "pipeline_model_parallel_layout", None)
+        resolved["config"] = {"type": type(config).__name__, "num_layers": config.num_layers,
+                              "pipeline_model_parallel_layout": None if layout is None else str(layout),
+                              "experimental_attention_variant": getattr(config, "experimental_attention_variant", None)}
+    return {"accepted": True, "stage": "config" if request.get("build_config") else "validate", "rejected": [],
+            "error": "", "resolved": resolved}
 
 
 if __name__ == "__main__":

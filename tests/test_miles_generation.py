@@ -1,0 +1,136 @@
+"""Both Miles DeepSeek-V4 generations: detected from a checkout's code, and the job v4rl builds for each.
+
+Detection reads the pinned trees of ../shared/vendor (skipped where absent): 31f1ca961 is generation 1 (plugin
+names), e9e19b223 generation 2 (Megatron's names, `--dsv4-impl miles|megatron`). The generation-2 job carries
+`--dsv4-impl`, a `--pipeline-model-parallel-layout` instead of the first/last stage sizes whenever PP > 1 with
+hash-routed layers (the seed's PP4: `Et*11|t*11|t*11|t*10L`), `--dsa-kernel-backend none` for the megatron impl
+off CUDA, and no `--experimental-attention-variant`; the generation-1 job is what it was. Whether Miles' own
+parser and Megatron's config build accept these is tests/conformance/test_miles_parse_args.py.
+
+    .venv/bin/python -m pytest tests/test_miles_generation.py -q        (CPU, a few seconds)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engines import engine_sources
+from engines.run_presets import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN, resolve
+from engines.train.miles import MilesJob, build_command
+from engines.train.miles.generation import MilesGenerationError, detect_generation, megatron_names_for
+from engines.train.miles.train_args import pipeline_layout
+
+NUM_GPUS = 0
+JOB = MilesJob(run_id="r1", hf_checkpoint="${HF}", ref_load="/ckpt/td", save_dir="/ckpt/save")
+
+
+def _vendor(pin) -> Path:
+    """The pin's vendored tree (extracted once into the engine cache); skipped without ../shared/vendor."""
+    import os
+
+    if os.environ.get(pin.env):
+        pytest.skip(f"${pin.env} is set: this checks the vendored trees")
+    vendor = engine_sources.vendor_dir()
+    if vendor is None or not (vendor / pin.tarball).is_file():
+        pytest.skip(f"no {pin.tarball} in ../shared/vendor ($V4RL_VENDOR_DIR)")
+    return engine_sources.miles_tree(None, pin)
+
+
+def test_generation_is_read_from_the_vendored_trees():
+    first = detect_generation(_vendor(engine_sources.MILES))
+    assert (first.generation, first.megatron_names, first.dsv4_impls) == (1, "plugin", ())
+    second = detect_generation(_vendor(engine_sources.MILES_GEN2))
+    assert (second.generation, second.megatron_names, second.dsv4_impls) == (2, "megatron", ("miles", "megatron"))
+    assert "assert_checkpoint_is_current" in second.evidence and "linear_q_down_proj" in second.evidence
+    assert megatron_names_for(_vendor(engine_sources.MILES_GEN2))[0] == "megatron"
+
+
+def test_detection_errors_name_the_directory_and_the_fix(tmp_path):
+    with pytest.raises(MilesGenerationError, match=r"does not exist; point it at your Miles checkout"):
+        detect_generation(tmp_path / "nowhere")
+    with pytest.raises(MilesGenerationError, match=r"no miles_plugins/models/deepseek_v4/deepseek_v4\.py.*--megatron-names"):
+        detect_generation(tmp_path)
+    plugin = tmp_path / "miles_plugins" / "models" / "deepseek_v4"
+    plugin.mkdir(parents=True)
+    (plugin / "deepseek_v4.py").write_text("self.linear_q_down_proj = x\nself.wq_a = y\n")  # neither generation
+    with pytest.raises(MilesGenerationError, match="matches neither generation"):
+        detect_generation(tmp_path)
+    assert megatron_names_for(None) == ("plugin", "default (no --miles-dir): Miles' plugin names, DeepSeek-V4 "
+                                                  "generation 1")
+    assert megatron_names_for(tmp_path, "megatron")[0] == "megatron"  # forcing never reads the tree
+
+
+def _gen(preset, generation: int, impl: str = "miles", **parallel):
+    miles = dataclasses.replace(preset.miles, generation=generation, dsv4_impl=impl)
+    return dataclasses.replace(preset, miles=miles, parallel=dataclasses.replace(preset.parallel, **parallel))
+
+
+def test_pipeline_layout_strings():
+    assert pipeline_layout(43, 4, None, 10) == "Et*11|t*11|t*11|t*10L"  # the seed's PP4 (conformance C7)
+    assert pipeline_layout(43, 4, 11, 10) == "Et*11|t*11|t*11|t*10L"  # Miles' 32-GPU preset
+    assert pipeline_layout(4, 2, None, None) == "Et*2|t*2L" and pipeline_layout(4, 1, None, None) == "Et*4L"
+    with pytest.raises(ValueError, match=r"pp-layer-split"):
+        pipeline_layout(43, 4, None, None)
+
+
+@pytest.mark.parametrize("preset", [SEED_RUN, MILES_32GPU_RUN], ids=lambda p: p.name)
+def test_second_generation_job_has_layout_impl_and_no_ignored_flag(preset):
+    first = build_command(preset, JOB).flag_values()
+    assert first["--decoder-last-pipeline-num-layers"] == ["10"] and "--pipeline-model-parallel-layout" not in first
+    assert first["--experimental-attention-variant"] == ["dsv4"] and "--dsv4-impl" not in first
+    command = build_command(_gen(preset, 2), JOB)
+    flags = command.flag_values()
+    assert flags["--pipeline-model-parallel-layout"] == ["Et*11|t*11|t*11|t*10L"]
+    assert not {"--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"} & flags.keys()
+    assert flags["--dsv4-impl"] == ["miles"] and "--dsa-kernel-backend" not in flags
+    assert "--experimental-attention-variant" not in flags
+    assert command.to_json()["pin"] == {"miles": "e9e19b223", "megatron_lm": "6184c094a",
+                                        "megatron_lm_branch": "dsv4-dual-backend"}
+    same = {k: v for k, v in first.items() if k not in ("--decoder-first-pipeline-num-layers",
+                                                         "--decoder-last-pipeline-num-layers",
+                                                         "--experimental-attention-variant")}
+    assert {k: flags[k] for k in same} == same  # nothing else moves
+
+
+def test_megatron_impl_needs_tp1_and_a_kernel_backend_off_cuda():
+    flags = build_command(_gen(SEED_RUN, 2, "megatron"), JOB).flag_values()
+    assert flags["--dsv4-impl"] == ["megatron"] and flags["--dsa-kernel-backend"] == ["none"]  # MI355X: no cuDNN
+    h200 = dataclasses.replace(_gen(SEED_RUN, 2, "megatron"), profile="h200")
+    assert "--dsa-kernel-backend" not in build_command(h200, JOB).flag_values()  # CUDA: Megatron's cudnn default
+    with pytest.raises(ValueError, match=r"dsv4_impl='megatron' needs tensor parallel size 1 .*TP=8"):
+        build_command(_gen(MILES_1NODE_RUN, 2, "megatron"), JOB)
+    with pytest.raises(ValueError, match=r"needs Miles' second DeepSeek-V4 generation"):
+        build_command(_gen(SEED_RUN, 1, "megatron"), JOB)
+    assert "--pipeline-model-parallel-layout" not in build_command(_gen(MILES_1NODE_RUN, 2), JOB).flag_values()
+
+
+def test_generation_is_a_preset_override():
+    preset, _ = resolve(SEED_RUN.name, {"miles_generation": 2, "dsv4_impl": "megatron"})
+    assert (preset.miles.generation, preset.miles.dsv4_impl) == (2, "megatron")
+
+
+def test_flow_settings_choose_names_and_generation_together(tmp_path, monkeypatch):
+    """The rl-pipeline's convert task and Miles job read one answer: the cluster's Miles generation."""
+    from flows.params import PipelineParams
+
+    monkeypatch.delenv("V4RL_MILES_DIR", raising=False)
+    base = dict(runs_root=str(tmp_path), ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1")
+    p = PipelineParams.preset_defaults("dsv4-flash-mi355x", **base)
+    assert (p.resolved_miles_generation(), p.megatron_names()) == (1, "plugin")
+    assert "miles_generation" not in p.miles_overrides()
+    p = PipelineParams.preset_defaults("dsv4-flash-mi355x", miles_generation=2, dsv4_impl="megatron", **base)
+    assert p.megatron_names() == "megatron"
+    preset, _ = resolve(p.preset, p.miles_overrides())
+    flags = build_command(preset, p.miles_job(), site=p.site()).flag_values()
+    assert flags["--dsv4-impl"] == ["megatron"] and flags["--pipeline-model-parallel-layout"] == ["Et*11|t*11|t*11|t*10L"]
+    gen2 = tmp_path / "miles" / "miles_plugins" / "models" / "deepseek_v4"
+    gen2.mkdir(parents=True)
+    (gen2 / "deepseek_v4.py").write_text("self.linear_q_down_proj = TELinear()\n")
+    (gen2 / "arguments.py").write_text('add_argument("--dsv4-impl", choices=["miles", "megatron"])\n'
+                                       "def assert_checkpoint_is_current(d): ...\n")
+    p = PipelineParams.preset_defaults("dsv4-flash-mi355x", miles_check_dir=str(tmp_path / "miles"), **base)
+    assert (p.resolved_miles_generation(), p.megatron_names()) == (2, "megatron")
+    assert PipelineParams.preset_defaults("tiny-cpu", runs_root=str(tmp_path)).megatron_names() == "plugin"
