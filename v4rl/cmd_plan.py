@@ -111,6 +111,10 @@ def plan(
                                  check_data=bool(data_dir or train_data or eval_data)) \
             if cluster and (miles_dir or check_miles) else None
         comparison = plan_miles.compare(preset, overrides, site, miles_dir) if compare_launcher else None
+        from v4rl.verify_miles import plan_model_keys  # Miles' model vs the checkpoint (meta device, minutes)
+
+        model_keys = plan_model_keys(preset, overrides, job, miles_dir=miles_dir, megatron_dir=megatron_dir) \
+            if cluster and miles_dir else None
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
@@ -118,7 +122,8 @@ def plan(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
     code = FEASIBLE if result.feasible else INFEASIBLE
-    if (check is not None and not check.ok) or (comparison is not None and not comparison.ok):
+    if (check is not None and not check.ok) or (comparison is not None and not comparison.ok) or \
+            (model_keys is not None and not model_keys.ok):
         code = INFEASIBLE
     if json_out or launch:
         obj: dict[str, Any] = result.to_json() if json_out else {}
@@ -130,6 +135,8 @@ def plan(
             obj["miles_check"] = check.to_json()
         if comparison is not None:
             obj["launcher_comparison"] = comparison.to_json()
+        if model_keys is not None:
+            obj["miles_model_keys"] = model_keys.to_json()
         if launch_obj is not None:
             obj = {**obj, "launch": launch_obj} if json_out else launch_obj
         typer.echo(json.dumps(obj, indent=1))
@@ -143,6 +150,8 @@ def plan(
             plan_miles.print_check(check)
         if comparison is not None:
             plan_miles.print_comparison(comparison)
+        if model_keys is not None:
+            typer.echo(model_keys.summary())
     raise typer.Exit(code=code)
 
 

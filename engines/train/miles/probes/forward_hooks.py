@@ -9,8 +9,10 @@ v4rl's layer-by-layer comparison reads both:
   moe         the MoE block's output (routed + shared)              [S,B,D]    -> [B,S,D]
   mhc_ffn     the layer's output (streams after the FFN-side merge) [S,B,hc,D] -> [B,S,hc,D]
 
-The mHC merges are not modules: the hyper-connection helper's `layer_post` is wrapped for the duration of the
-capture (same computation, its output recorded), first call of a layer = attention side.
+Where the attention-side merge lands differs by generation: Miles' first generation merges in a helper that is
+no module (its `layer_post` is wrapped for the duration of the capture: same computation, output recorded, the
+first call of a layer = attention side); Megatron's own mHC (second generation) takes the merged streams as the
+input of the layer's `mlp_hyper_connection` module (a forward pre-hook reads it, [s, b, n*C] -> [B, S, n, C]).
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def capture(module, batch: int, seq: int):
         originals.append((cls, original))
         cls.layer_post = layer_post
 
+    def streams(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.dim() == 3:  # Megatron's mHC keeps the n streams flattened: [s, b, n*C]
+            t = t.view(t.shape[0], t.shape[1], -1, module.config.hidden_size)
+        return _bsd(t)
+
     def first(output):
         return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -75,13 +83,16 @@ def capture(module, batch: int, seq: int):
     for i, layer in enumerate(layers):
         def before(mod, args, kwargs, i=i):
             merges.clear()
+            trace[i].pop("mhc_attn", None)
 
         def after(mod, args, kwargs, output, i=i):
-            trace[i]["mhc_ffn"] = _bsd(first(output))
+            trace[i]["mhc_ffn"] = streams(first(output))
+            if "mhc_attn" in trace[i]:  # recorded by the mlp_hyper_connection pre-hook (second generation)
+                return
             if not merges:
                 raise RuntimeError(f"layer {i}: no mHC merge was recorded; has the hyper-connection helper moved? "
                                    f"(looked in {HC_UTIL_MODULES})")
-            trace[i]["mhc_attn"] = _bsd(merges[0])
+            trace[i]["mhc_attn"] = streams(merges[0])
 
         handles += [
             layer.register_forward_pre_hook(before, with_kwargs=True),
@@ -92,6 +103,9 @@ def capture(module, batch: int, seq: int):
                 lambda mod, a, o, i=i: trace[i].__setitem__("router", routed(o))),
             layer.mlp.register_forward_hook(lambda mod, a, o, i=i: trace[i].__setitem__("moe", _bsd(first(o)))),
         ]
+        if hasattr(layer, "mlp_hyper_connection"):
+            handles.append(layer.mlp_hyper_connection.register_forward_pre_hook(
+                lambda mod, a, i=i: trace[i].__setitem__("mhc_attn", streams(a[0]))))
     try:
         yield trace
     finally:

@@ -14,10 +14,10 @@ module structure) ahead of them and GPU-only modules stubbed where their import 
      `load_checkpoint` on that dir (release or numbered layout); the names still at the sentinel and every stdout
      line saying `will skip` are reported;
   5. `forward` (after the loads, with the numeric kernel stand-ins of `kernels` installed, a module path such as
-     tests/conformance/miles_kernels.py): one forward of `tokens`, per-layer sub-block outputs captured by
+     numeric_standins.py beside this file): one forward of `tokens`, per-layer sub-block outputs captured by
      forward hooks (forward_hooks.py) and the fp32 logits saved to `out_dir/forward-clean.pt`; then for each of
-     `faults` ({"name", "param": a parameter-name suffix, "op": roll | swap | zero | negate, "index"}) the same
-     forward with that one parameter changed, saved to `out_dir/forward-<name>.pt`.
+     `faults` ({"name", "param": a parameter-name suffix, "op": roll | swap | swap_with | zero | negate,
+     "index", "other"}) the same forward with that one parameter changed, saved to `out_dir/forward-<name>.pt`.
 
 The request is a JSON file (keys above); the answer is one JSON line after the marker line.
 
@@ -184,9 +184,6 @@ def build(args, *, meta: bool):
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     if meta:  # get_model materialises a meta model on the GPU; here it stays on the meta device
         training.to_empty_if_meta_device = lambda module, device=None: module
-    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
-
-    args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args)
     return training.get_model(get_model_provider_func(args), ModelType.encoder_or_decoder, wrap_with_ddp=False)
 
 
@@ -229,13 +226,17 @@ def load_and_check(model, args, load_dir: str) -> dict:
         iteration, _ = load_checkpoint(model, None, None, checkpointing_context={}, skip_load_to_model_and_opt=False)
     text = log.getvalue()
     sys.stderr.write(text[-20000:])
-    at_sentinel = []
+    at_sentinel, partly = [], {}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if tensor.numel() and (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
-            if bool((tensor.double() == SENTINEL).all()):
+            left = int((tensor.double() == SENTINEL).sum())
+            if left == tensor.numel():
                 at_sentinel.append(name)
+            elif left:
+                partly[name] = left
     skipped = [line.strip() for line in text.splitlines() if "will skip" in line]
-    return {"iteration": int(iteration), "at_sentinel": at_sentinel, "will_skip": skipped,
+    return {"iteration": int(iteration), "at_sentinel": at_sentinel, "partly_at_sentinel": partly,
+            "will_skip": skipped,
             "loaded_params": sum(1 for _ in module.parameters()) - len(at_sentinel)}
 
 
@@ -252,7 +253,19 @@ def forward(model, tokens: list[list[int]], path: Path) -> str:
     position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
     with torch.no_grad(), capture(getattr(module, "module", module), B, S) as trace:
         logits = module(input_ids=ids, position_ids=position_ids, attention_mask=None)
-    torch.save({"trace": trace, "logits": logits.float()}, path)
+    saved = {"trace": trace, "logits": logits.float()}
+    try:  # Miles' own logprob computation (its training loss reads these), on the full (padded) vocab width
+        import torch._dynamo
+        import torch.distributed as dist
+
+        from miles.backends.training_utils.loss_hub.math_utils import calculate_log_probs_and_entropy
+
+        torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly (no Triton on a CPU)
+        saved["miles_logprobs"] = calculate_log_probs_and_entropy(
+            logits[0, :-1].float(), ids[0, 1:], dist.group.WORLD)[0].float()
+    except Exception as exc:  # recorded, not hidden: the caller then computes logprobs from the logits
+        saved["miles_logprobs_error"] = f"{type(exc).__name__}: {exc}"
+    torch.save(saved, path)
     return str(path)
 
 
@@ -274,6 +287,11 @@ def plant(module, fault: dict):
             value = saved.clone()
             value[i], value[j] = saved[j], saved[i]
             param.copy_(value)
+        elif fault["op"] == "swap_with":  # two one-element parameters exchanged (Megatron's split mHC alphas)
+            other = params[[n for n in params if n.endswith(fault["other"])][0]]
+            other_saved = other.detach().clone()
+            param.copy_(other_saved)
+            other.copy_(saved)
         elif fault["op"] == "zero":
             param.zero_()
         elif fault["op"] == "negate":
@@ -284,6 +302,8 @@ def plant(module, fault: dict):
     def undo():
         with torch.no_grad():
             param.copy_(saved)
+            if fault["op"] == "swap_with":
+                other.copy_(other_saved)
     return undo
 
 
@@ -309,7 +329,7 @@ def probe(request: dict) -> dict:
             if request.get("kernels"):  # numeric stand-ins of the GPU kernels (forwards only)
                 import runpy
 
-                kernels = runpy.run_path(request["kernels"], run_name="miles_kernels")
+                kernels = runpy.run_path(request["kernels"], run_name="numeric_standins")
             answer["stage"] = "parse"
             _mark("start")
             args = parse(request["argv"], request.get("args_cache"))

@@ -79,9 +79,10 @@ class Linear(TransformerEngineBaseModule):
 class RMSNorm(TransformerEngineBaseModule):
     """te.pytorch.RMSNorm: `weight`; y = x / sqrt(mean(x^2) + eps) * w (computed in fp32, cast to x's dtype)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
-                 params_dtype=None, device=None, **kwargs) -> None:
-        super().__init__()
+    def __init__(self, normalized_shape: int | None = None, eps: float = 1e-5, *, hidden_size: int | None = None,
+                 zero_centered_gamma: bool = False, params_dtype=None, device=None, **kwargs) -> None:
+        super().__init__()  # TE >= 2 names the width `normalized_shape`, older TE `hidden_size`: both accepted
+        hidden_size = normalized_shape if normalized_shape is not None else hidden_size
         self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, **_factory(device, params_dtype)))
 
@@ -94,8 +95,8 @@ class RMSNorm(TransformerEngineBaseModule):
 class LayerNorm(RMSNorm):
     """te.pytorch.LayerNorm: `weight` + `bias` (DeepSeek-V4 uses RMSNorm only; kept for completeness of names)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, **kwargs) -> None:
-        super().__init__(hidden_size, eps, **kwargs)
+    def __init__(self, normalized_shape: int | None = None, eps: float = 1e-5, **kwargs) -> None:
+        super().__init__(normalized_shape, eps, **kwargs)
         self.bias = torch.nn.Parameter(torch.zeros_like(self.weight))
 
     def forward(self, x):

@@ -1,13 +1,14 @@
 """Numeric stand-ins for the GPU kernels Miles' DeepSeek-V4 model calls in its forward, written from their math.
 
-Run (runpy) inside the model probe's subprocess (engines/train/miles/probes/model_probe.py, request key `kernels`)
-BEFORE Miles is imported, so the model's own modules bind these. Each keeps the kernel's name, signature and
+Run (runpy) inside the model probe's subprocess (model_probe.py beside this file, request key `kernels`) BEFORE
+Miles is imported, so the model's own modules bind these. Each keeps the kernel's name, signature and
 values (the math the kernel computes, including where it rounds to bf16), so a difference from v4rl's model is a
 difference of Miles' model code or of the weights, not of a stand-in:
 
   tile_kernels.modeling.mhc.ops   TileKernels' mHC ops, from the package's OWN pure-torch references
                                   (tile_kernels/torch/mhc.py of the tile-kernels 2.1.0 wheel, file path in
-                                  $V4RL_TILE_KERNELS_MHC; only that file is loaded, never the package);
+                                  $V4RL_TILE_KERNELS_MHC, fetched by engines/train/miles/model_check.py
+                                  `tile_kernels_mhc_reference`; only that file is loaded, never the package);
                                   `mhc_pre_big_fuse` is the composition TileKernels fuses (norm_fn -> split_mixes ->
                                   sinkhorn -> apply_mix).
   fast_hadamard_transform         hadamard_transform(x, scale) = (x @ H) * scale with H the Sylvester-Hadamard
@@ -43,7 +44,7 @@ def _load_mhc_reference():
     path = os.environ.get("V4RL_TILE_KERNELS_MHC")
     if not path or not os.path.isfile(path):
         raise RuntimeError("$V4RL_TILE_KERNELS_MHC must name tile_kernels/torch/mhc.py of the tile-kernels 2.1.0 "
-                           "wheel (tests/conformance/miles_model_harness.py downloads it)")
+                           "wheel (engines/train/miles/model_check.py tile_kernels_mhc_reference downloads it)")
     spec = importlib.util.spec_from_file_location("tile_kernels_torch_mhc_reference", path)
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
@@ -157,5 +158,5 @@ def patch_miles_kernels() -> list[str]:
     return patched
 
 
-if __name__ == "miles_kernels":  # run by the probe through runpy
+if __name__ == "numeric_standins":  # run by the probe through runpy
     install()
