@@ -108,6 +108,7 @@ def test_miles_load_checkpoint_loads_every_parameter(miles_run, layout):
 
 
 def test_forward_agrees_with_v4rl_layer_by_layer_and_in_logprobs(miles_run, ours):
+    assert not miles_run.result.forward_error, miles_run.result.forward_error
     t32, l32, t16, l16 = ours
     clean = torch.load(miles_run.result.forwards["clean"])
     loc = compare_traces(clean["trace"], t32, t16, miles_run.cfg.mlp_layer_types)
@@ -122,6 +123,7 @@ def test_forward_agrees_with_v4rl_layer_by_layer_and_in_logprobs(miles_run, ours
 @pytest.mark.parametrize("fault", ["hash_table_shifted", "mhc_alpha_order", "compressor_ape", "indexer_weights",
                                    "attention_sink"])
 def test_planted_faults_are_localised_to_their_layer_and_block(miles_run, ours, fault):
+    assert not miles_run.result.forward_error, miles_run.result.forward_error
     t32, _, t16, _ = ours
     expected = dict((f["name"], where) for f, where in miles_run.faults)[fault]
     traced = torch.load(miles_run.result.forwards[fault])
@@ -134,6 +136,7 @@ def test_planted_faults_are_localised_to_their_layer_and_block(miles_run, ours, 
 def test_vocab_pad_rows_enter_miles_logprobs(miles_run):
     """Megatron pads the vocab to --make-vocab-size-divisible-by x TP; the pad rows load as zeros, so their logit
     is exactly 0 and Miles' own logprob function (over the padded width) counts them in the softmax."""
+    assert not miles_run.result.forward_error, miles_run.result.forward_error
     clean = torch.load(miles_run.result.forwards["clean"])
     logits, vocab = clean["logits"], miles_run.cfg.vocab_size
     assert logits.shape[-1] == 512 and torch.equal(logits[..., vocab:], torch.zeros_like(logits[..., vocab:]))

@@ -72,6 +72,13 @@ class ProbeResult:
     def forwards(self) -> dict[str, str]:
         return self.raw.get("forwards", {})
 
+    @property
+    def forward_error(self) -> str:
+        """Why the forward stage failed after keys and loads succeeded ('' when it ran)."""
+        if self.raw.get("ok"):
+            return ""
+        return f"{self.raw.get('stage')}: {self.raw.get('error')}\n{self.raw.get('traceback', '')[-2500:]}"
+
 
 def probe_argv(config: Mapping[str, Any], *, hf_dir: str | Path, load_dir: str | Path, meta: bool = False,
                generation: int = 1, extra: Sequence[str] = ()) -> list[str]:
@@ -117,6 +124,8 @@ def run_probe(request: Mapping[str, Any], *, miles_dir: str | Path | None = None
         tail = "\n".join(((done.stderr or "") + out).strip().splitlines()[-30:])
         raise MilesModelError(f"the Miles model probe exited {done.returncode} without an answer:\n{tail}")
     answer = json.loads(out.split(MARKER, 1)[1].strip().splitlines()[0])
+    if not answer.get("ok") and answer.get("built_and_loaded") and str(answer.get("stage", "")).startswith("forward"):
+        return ProbeResult(answer, done.stderr or "")  # keys and loads stand; forward_error says what failed
     if not answer.get("ok"):
         raise MilesModelError(f"Miles' model failed at stage {answer.get('stage')}: {answer.get('error')}\n"
                               f"{answer.get('traceback', '')[-3000:]}")

@@ -62,6 +62,9 @@ def patch_device(device: dict) -> None:
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.manual_seed = lambda *a, **k: None
     torch.cuda.manual_seed_all = lambda *a, **k: None
+    torch.cuda.nvtx.range_push = lambda *a, **k: None  # profiler ranges: nothing to mark on a CPU
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.Stream = _HostStream
     torch.cuda.Event = _HostEvent
     torch.cuda.current_stream = lambda *a, **k: _HostStream()
@@ -347,6 +350,7 @@ def probe(request: dict) -> dict:
             for load_dir in request.get("load_dirs", []):
                 answer["stage"] = f"load {load_dir}"
                 answer["loads"].append({"dir": load_dir, **load_and_check(model, args, load_dir)})
+            answer["built_and_loaded"] = True  # keys and loads are in; a forward failure below leaves them
             if "forward" in request["do"]:
                 answer["stage"] = "forward"
                 out = Path(request["out_dir"])
