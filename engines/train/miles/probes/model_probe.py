@@ -62,6 +62,9 @@ def patch_device(device: dict) -> None:
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.manual_seed = lambda *a, **k: None
     torch.cuda.manual_seed_all = lambda *a, **k: None
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True  # torch.compile'd helpers run eagerly (Inductor needs Triton, a GPU compiler)
     torch.cuda.nvtx.range_push = lambda *a, **k: None  # profiler ranges: nothing to mark on a CPU
     torch.cuda.nvtx.range_pop = lambda *a, **k: None
     torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
@@ -258,12 +261,10 @@ def forward(model, tokens: list[list[int]], path: Path) -> str:
         logits = module(input_ids=ids, position_ids=position_ids, attention_mask=None)
     saved = {"trace": trace, "logits": logits.float()}
     try:  # Miles' own logprob computation (its training loss reads these), on the full (padded) vocab width
-        import torch._dynamo
         import torch.distributed as dist
 
         from miles.backends.training_utils.loss_hub.math_utils import calculate_log_probs_and_entropy
 
-        torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly (no Triton on a CPU)
         saved["miles_logprobs"] = calculate_log_probs_and_entropy(
             logits[0, :-1].float(), ids[0, 1:], dist.group.WORLD)[0].float()
     except Exception as exc:  # recorded, not hidden: the caller then computes logprobs from the logits
