@@ -34,6 +34,13 @@ def test_shape_and_dtype_differences_are_named():
     assert not c.ok
 
 
+def test_vocab_padding_rows_are_not_a_shape_failure():
+    model = {"embedding.word_embeddings.weight": [[512, 8], "bfloat16"], "output_layer.weight": [[512, 8], "bfloat16"]}
+    c = compare_keys(model, {k: [[500, 8], "bfloat16"] for k in model})
+    assert c.ok and len(c.vocab_padded) == 2
+    assert not compare_keys(model, {k: [[520, 8], "bfloat16"] for k in model}).ok  # more rows than the model: bad
+
+
 def test_megatron_vocab_padding():
     assert padded_vocab(129280, 1) == 129280  # Flash at TP 1: no pad rows
     assert padded_vocab(129280, 4) == 129536 and padded_vocab(129280, 8) == 130048

@@ -190,6 +190,9 @@ class KeyComparison:
     """'key: model [..] vs checkpoint [..]': the load fails."""
     dtype: list[str] = field(default_factory=list)
     """'key: model int32 vs checkpoint int64': the load casts; the file should hold the model's dtype."""
+    vocab_padded: list[str] = field(default_factory=list)
+    """Embedding / output-layer rows Megatron pads the vocab with (--make-vocab-size-divisible-by x TP): Miles'
+    loader fills the rows the file lacks with zeros (tests/conformance/test_miles_model.py); not a failure."""
 
     @property
     def ok(self) -> bool:
@@ -206,6 +209,10 @@ class KeyComparison:
         return out
 
 
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""The tensors whose rows Megatron pads to the padded vocab size."""
+
+
 def compare_keys(model_keys: Mapping[str, Sequence], ckpt_keys: Mapping[str, Sequence]) -> KeyComparison:
     """Compare {key: [shape, dtype]} maps (model_keys: Miles' sharded_state_dict; ckpt_keys: the file's)."""
     result = KeyComparison(missing=sorted(set(model_keys) - set(ckpt_keys)),
@@ -213,7 +220,10 @@ def compare_keys(model_keys: Mapping[str, Sequence], ckpt_keys: Mapping[str, Seq
     for key in sorted(set(model_keys) & set(ckpt_keys)):
         (m_shape, m_dtype), (c_shape, c_dtype) = model_keys[key], ckpt_keys[key]
         if list(m_shape) != list(c_shape):
-            result.shape.append(f"{key}: model {list(m_shape)} vs checkpoint {list(c_shape)}")
+            line = f"{key}: model {list(m_shape)} vs checkpoint {list(c_shape)}"
+            padded = (key in VOCAB_KEYS and len(m_shape) == len(c_shape) == 2 and m_shape[1] == c_shape[1]
+                      and m_shape[0] > c_shape[0])
+            (result.vocab_padded if padded else result.shape).append(line)
         if m_dtype != c_dtype:
             result.dtype.append(f"{key}: model {m_dtype} vs checkpoint {c_dtype}")
     return result
@@ -254,7 +264,7 @@ class ModelKeyCheck:
         return {"ok": self.ok, "miles_dir": self.miles_dir, "generation": self.generation,
                 "checkpoint": self.checkpoint, "model_keys": self.model_keys, "parameters": self.parameters,
                 "extra_state_objects": self.extra_state_objects, "missing": c.missing, "unexpected": c.unexpected,
-                "shape": c.shape, "dtype": c.dtype, "vocab_note": self.vocab_note}
+                "shape": c.shape, "dtype": c.dtype, "vocab_padded": c.vocab_padded, "vocab_note": self.vocab_note}
 
 
 def check_model_keys(config: Mapping[str, Any], *, ckpt: str | Path | None = None, miles_dir: str | Path | None = None,
