@@ -1,11 +1,11 @@
 """Miles' OWN DeepSeek-V4 Megatron model loads what v4rl converts and computes what v4rl computes, on CPU, for
-both Miles generations: `miles_run` (Miles main 31f1ca961 + Megatron-LM 2e64d788b, the plugin's names) and `gen2-miles`
-(Miles e9e19b223 + Megatron-LM 6184c094a, Megatron's names, `--dsv4-impl miles`) in the default run;
+both Miles generations: `gen1` (Miles main 31f1ca961 + Megatron-LM 2e64d788b, the plugin's names) and
+`gen2-miles` (Miles e9e19b223 + Megatron-LM 6184c094a, Megatron's names, `--dsv4-impl miles`) in the default run;
 `gen2-megatron` (`--dsv4-impl megatron --dsa-kernel-backend none`, Megatron's own PyTorch path) is `slow`.
 
-Per generation one probe subprocess (engines/train/miles/model_check.py; ~2-4 min on 2 cores) builds Miles' model through its
-model provider and `--spec` for a Miles-legal tiny config (tests/conformance/miles_model_harness.py), and on the
-checkpoint v4rl's converter wrote: (a) the model's sharded_state_dict keys, global shapes and dtypes; (b) Miles'
+Per generation one probe subprocess (engines/train/miles/model_check.py; ~2-4 min on 2 cores) builds Miles' model
+through its model provider and `--spec` for a Miles-legal tiny config (tests/conformance/miles_model_harness.py),
+and on the checkpoint v4rl's converter wrote: (a) the model's sharded_state_dict keys, global shapes and dtypes; (b) Miles'
 own `load_checkpoint` after a sentinel fill, for the `release` and the numbered (`iter_0000020`) layout; (c) one
 forward with per-layer sub-block outputs, then five forwards each with one planted fault. v4rl's own model runs
 the same tokens in fp32 and bf16; Miles must agree with v4rl-fp32 within bounds derived from v4rl's bf16 noise,
