@@ -1,6 +1,7 @@
 """Streaming, parallel, atomic conversion between DeepSeek-V4 HF checkpoints and Megatron torch_dist.
 
     convert_hf_to_torch_dist(src, dst, workers=N)        HF FP8 + FP4 (or BF16) -> torch_dist BF16
+    convert_hf_to_torch_dist(src, dst, megatron_names="megatron")   ... under Megatron's names (Miles e9e19b223+)
     export_torch_dist_to_hf(src, dst, fmt="hf-fp8")      torch_dist -> HF native layout, BF16 or re-quantized
     verify_torch_dist(dst, against=src)                  megatron-core loads it; names/shapes/dtypes/finite/values
 
@@ -13,6 +14,10 @@ tensor (input + output, in reused buffers) at a time, whatever the checkpoint si
 then writes `.metadata`, `common.pt` and `metadata.json`, checks the result with megatron-core and
 only then renames the hidden temporary directory into place (checkpoints/manifest.py). Re-running on
 a complete output is a no-op; a killed run leaves only a hidden `.DST.partial-*` directory.
+
+Keys follow the Megatron names of the Miles generation that will load the output (checkpoints/names.py:
+`plugin`, the default, or `megatron`, where each mHC scale becomes three alpha tensors written as three
+chunks of the one native tensor); export and verification detect which from the stored keys.
 
 torch_dist -> HF reads each native tensor's box back (any chunking, so Megatron-written checkpoints
 work too) and streams safetensors shards. `hf-fp8` re-quantizes with the rollout engine's rules

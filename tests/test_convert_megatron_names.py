@@ -5,7 +5,7 @@ Megatron's names (Miles e9e19b223's model): the stored key set is the name table
 plugin names + 4 per layer), each alpha holds its block of the packed scale (pre, post, res), tid2eid is int32
 `[vocab, topk]`, common.pt records the names; `verify_torch_dist` (names, shapes, dtypes, values vs the source)
 fails on a renamed key, swapped alphas and an int64 or mis-shaped tid2eid planted into such a checkpoint;
--> HF BF16 reproduces the source; the CLI picks the names from `--miles-dir` (detected from the tree's code) or
+-> HF BF16 reproduces the source, and align's megatron-core reader returns it under native names; the CLI picks the names from `--miles-dir` (detected from the tree's code) or
 `--megatron-names`, plugin by default.
 
     .venv/bin/python -m pytest tests/test_convert_megatron_names.py -q        (CPU, ~40 s on 2 cores)
@@ -110,6 +110,11 @@ def test_round_trip_hf_to_gen2_to_hf_is_exact(gen2, tmp_path, cfg, native, hf_bf
     assert source_cfg == cfg and sorted(back) == sorted(source)
     for name, t in source.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    from engines.align.inputs import load_torch_dist  # what align and the trainer read: megatron-core, native names
+
+    weights = load_torch_dist(gen2, cfg)
+    assert weights["layers.0.ffn.gate.tid2eid"].dtype == torch.int64  # int32 on disk, int64 to index with
+    assert all(torch.equal(weights[n], source[n].to(weights[n].dtype)) for n in source)
 
 
 def _write_planted(root: Path, cfg: ModelConfig, native: dict[str, torch.Tensor], *, rename: dict | None = None,

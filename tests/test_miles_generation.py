@@ -51,7 +51,7 @@ def test_generation_is_read_from_the_vendored_trees():
 def test_detection_errors_name_the_directory_and_the_fix(tmp_path):
     with pytest.raises(MilesGenerationError, match=r"does not exist; point it at your Miles checkout"):
         detect_generation(tmp_path / "nowhere")
-    with pytest.raises(MilesGenerationError, match=r"no miles_plugins/models/deepseek_v4/deepseek_v4\.py.*--megatron-names"):
+    with pytest.raises(MilesGenerationError, match=r"no miles_plugins/models/deepseek_v4/deepseek_v4\.py.*--miles-generation 1\|2"):
         detect_generation(tmp_path)
     plugin = tmp_path / "miles_plugins" / "models" / "deepseek_v4"
     plugin.mkdir(parents=True)
@@ -134,3 +134,22 @@ def test_flow_settings_choose_names_and_generation_together(tmp_path, monkeypatc
     p = PipelineParams.preset_defaults("dsv4-flash-mi355x", miles_check_dir=str(tmp_path / "miles"), **base)
     assert (p.resolved_miles_generation(), p.megatron_names()) == (2, "megatron")
     assert PipelineParams.preset_defaults("tiny-cpu", runs_root=str(tmp_path)).megatron_names() == "plugin"
+
+
+def test_plan_builds_the_job_for_the_generation_asked(monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from v4rl.cli import app
+
+    monkeypatch.delenv("V4RL_MILES_DIR", raising=False)
+    result = CliRunner().invoke(app, ["plan", "--preset", "dsv4-flash-mi355x", "--miles-generation", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.output)["miles"]
+    argv = job["argv"]
+    assert job["generation"] == 2 and job["pin"]["miles"] == "e9e19b223"
+    assert argv[argv.index("--pipeline-model-parallel-layout") + 1] == "Et*11|t*11|t*11|t*10L"
+    result = CliRunner().invoke(app, ["plan", "--preset", "dsv4-flash-mi355x-1node", "--miles-generation", "2",
+                                      "--dsv4-impl", "megatron", "--json"])
+    assert result.exit_code == 1 and "needs tensor parallel size 1" in result.output

@@ -6,6 +6,7 @@ the Miles job; with `--miles-dir`, run Miles' own argument parser on that job (C
     v4rl plan --preset dsv4-flash-mi355x --rank 5             # the 5 feasible layouts with least communication
     v4rl plan --preset dsv4-flash-mi355x --launch --head-ip 10.0.0.1 --ifname ens50f0 --ib-hca rdma0,rdma1
     v4rl plan --preset dsv4-flash-mi355x --miles-dir ~/miles --megatron-dir ~/Megatron-LM [--json]
+                                      # the job for that Miles' DeepSeek-V4 generation (read from its code)
     v4rl plan --preset dsv4-flash-mi355x-1node --compare-launcher [--miles-dir DIR]   # vs Miles' own launcher
     v4rl plan --preset dsv4-flash-mi355x --seed-command       # the seed's launcher command (Miles PR-head only)
 
@@ -75,6 +76,10 @@ def plan(
     megatron_dir: Optional[str] = typer.Option(None, help="Megatron-LM checkout for --miles-dir "
                                                "(default $V4RL_MEGATRON_DIR or the pinned tarball)."),
     check_miles: bool = typer.Option(False, "--check-miles", help="Run the Miles check with the default sources."),
+    miles_generation: Optional[int] = typer.Option(None, help="Miles' DeepSeek-V4 generation the job is for: 1 "
+                                                   "(31f1ca961) | 2 (e9e19b223+). Default: read from --miles-dir's "
+                                                   "(else $V4RL_MILES_DIR's) code, else 1."),
+    dsv4_impl: Optional[str] = typer.Option(None, help="Generation 2: --dsv4-impl miles | megatron (TP 1)."),
     compare_launcher: bool = typer.Option(False, "--compare-launcher",
                                           help="Compare the job with Miles' own launcher, flag by flag."),
     seed_command: bool = typer.Option(False, "--seed-command",
@@ -98,6 +103,9 @@ def plan(
     try:
         if recompute not in (None, "full", "selective", "none"):
             raise ValueError(f"--recompute must be full, selective or none (got {recompute!r})")
+        from v4rl import plan_miles
+
+        overrides.update(plan_miles.generation_overrides(miles_dir, miles_generation, dsv4_impl))
         result = preflight_plan(preset, overrides, raise_on_infeasible=False)
         alternatives = rank_layouts(resolve(preset, overrides)[1], rank) if rank > 0 else []
         from v4rl import plan_miles
@@ -143,7 +151,7 @@ def plan(
     else:
         _print_tables(preset, result, alternatives)
         if cluster:
-            typer.echo(plan_miles.pin_line())
+            typer.echo(plan_miles.pin_line(resolve(preset, overrides)[0].miles.generation))
         if seed_command and miles_obj is not None:
             typer.echo(plan_miles.seed_command_text(miles_obj))
         if check is not None:

@@ -42,10 +42,31 @@ def job_json(preset: str, overrides: Mapping[str, Any], site: Site, job: miles.M
             "seed_command": {"miles": miles.PR_HEAD, "argv": miles.launcher_argv(eff, profile, job)}}
 
 
-def pin_line() -> str:
-    pin = miles.MILES_PIN
+def pin_line(generation: int = 1) -> str:
+    from engines.train.miles.command import MILES_PINS
+
+    pin = MILES_PINS[generation]
     return (f"Miles job: {miles.ENTRYPOINT} for Miles {pin['miles']} with Megatron-LM {pin['megatron_lm_branch']} "
-            f"{pin['megatron_lm']} (--json shows its argv and env; --miles-dir DIR checks a checkout)")
+            f"{pin['megatron_lm']} (DeepSeek-V4 generation {generation}; --json shows its argv and env; --miles-dir "
+            "DIR checks a checkout)")
+
+
+def generation_overrides(miles_dir: str | None, generation: int | None, dsv4_impl: str | None) -> dict[str, Any]:
+    """Preset overrides for the Miles DeepSeek-V4 generation: given, else read from the checkout's code
+    (--miles-dir, else $V4RL_MILES_DIR), else none (the preset's generation 1)."""
+    import os
+
+    out: dict[str, Any] = {}
+    local = miles_dir or os.environ.get("V4RL_MILES_DIR")
+    if generation is None and local:
+        from engines.train.miles.generation import detect_generation
+
+        generation = detect_generation(local).generation
+    if generation is not None:
+        out["miles_generation"] = generation
+    if dsv4_impl is not None:
+        out["dsv4_impl"] = dsv4_impl
+    return out
 
 
 def seed_command_text(obj: Mapping[str, Any]) -> str:

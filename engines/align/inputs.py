@@ -103,4 +103,5 @@ def load_torch_dist(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
     except (OSError, ValueError) as exc:  # TorchDistError is a ValueError
         raise AlignError(f"cannot read the torch_dist checkpoint {path}: {exc}") from exc
     native = megatron_to_native({b.key: t for b, t in zip(boxes, tensors)}, cfg, names)
-    return {k: v.float() if v.is_floating_point() else v for k, v in native.items()}
+    # tid2eid is int32 on disk (as Miles holds it); native tables are int64, what the models index with
+    return {k: v.float() if v.is_floating_point() else v.to(torch.int64) for k, v in native.items()}

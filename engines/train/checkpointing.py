@@ -223,7 +223,8 @@ def load_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig) -> d
     except TorchDistError as exc:
         raise TorchDistError(f"{exc}. {_earlier_iterations_hint(Path(root), step)}") from exc
     megatron_state = {b.key: t for b, t in zip(boxes, tensors)}
-    weights = {k: (v.float() if v.is_floating_point() else v)
+    # tid2eid is int32 on disk (as Miles holds it); native tables are int64, what the models index with
+    weights = {k: (v.float() if v.is_floating_point() else v.to(torch.int64))
                for k, v in megatron_to_native(megatron_state, cfg, names).items()}
     return {"weights": weights, **state}
 

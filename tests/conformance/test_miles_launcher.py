@@ -6,7 +6,9 @@ click 8.2.1 (its Dockerfile.rocm pins) in a subprocess, its command helpers repl
 to Miles' committed snapshot; then, for each layout the launcher has a preset for (1 actor node; 32 actor GPUs
 TP4 PP4 EP8), v4rl's job must equal the recording except the commented allow-list of
 engines/train/miles/launcher_compare.py. The seed's layout and command are refused by main (conformance A1,
-A2) and accepted by the PR-head tarball a8684732f, which keeps the seed's command reproducible. About 1 min.
+A2) and accepted by the PR-head tarball a8684732f, which keeps the seed's command reproducible. The second
+DeepSeek-V4 generation (e9e19b223, the same launcher) is compared against v4rl's generation-2 job with
+ALLOWED_GEN2 (the 32-GPU layout in the default run, 1 node `slow`). About 1 min.
 
     .venv/bin/python -m pytest tests/conformance/test_miles_launcher.py -q
 """
@@ -83,6 +85,27 @@ def test_32gpu_layout_offload_matches_the_launcher(comparisons):
 def test_every_allow_list_entry_is_needed(comparisons):
     used = {(r.kind, r.key) for c in comparisons.values() for r in c.rows if r.status == "allowed"}
     assert set(ALLOWED) == used, f"stale allow-list entries: {sorted(set(ALLOWED) - used)}"
+
+
+@pytest.mark.parametrize("preset", [pytest.param(MILES_1NODE_RUN, marks=pytest.mark.slow), MILES_32GPU_RUN],
+                         ids=lambda p: p.name)
+def test_second_generation_job_equals_its_launcher_except_the_allow_list(miles_gen2_tree, preset):
+    """Miles e9e19b223 ships the same AMD launcher; v4rl's generation-2 job differs only where ALLOWED_GEN2 says
+    (the implementation named, the pipeline layout string with PP > 1)."""
+    comparison = compare_with_launcher(preset, miles_dir=miles_gen2_tree)
+    assert comparison.generation == 2 and not comparison.launcher_error
+    assert not comparison.diffs, "\n".join(f"{r.kind} {r.key}: launcher {r.launcher!r}, v4rl {r.v4rl!r}"
+                                           for r in comparison.diffs)
+    rows = {(r.kind, r.key): r for r in comparison.rows}
+    for key in ("--num-layers", "--dsv4-compress-ratios", "--spec", "--tensor-model-parallel-size",
+                "--pipeline-model-parallel-size", "--expert-model-parallel-size", "--rollout-batch-size"):
+        assert rows[("argv", key)].status == "same", key
+    assert ("argv", "--experimental-attention-variant") not in rows  # neither side passes it in generation 2
+    assert rows[("argv", "--dsv4-impl")].status == "allowed" and rows[("argv", "--dsv4-impl")].v4rl == "miles"
+    if preset.parallel.pp > 1:
+        layout = rows[("argv", "--pipeline-model-parallel-layout")]
+        assert (layout.status, layout.launcher, layout.v4rl) == ("allowed", None, "Et*11|t*11|t*11|t*10L")
+        assert rows[("argv", "--decoder-last-pipeline-num-layers")].launcher == "10"
 
 
 def _seed_job() -> MilesJob:

@@ -1,8 +1,9 @@
 """The `miles` training backend: Miles (Megatron actor + SGLang rollout on Ray) runs the cluster path.
 
 v4rl does not grow its own Megatron trainer (upstream megatron-core has no DeepSeek-V4 attention or
-sqrtsoftplus router); it drives the engine the seed ran, one pinned version (Miles main 31f1ca961 with
-Megatron-LM miles-main 2e64d788b: `MILES_PIN`). This package
+sqrtsoftplus router); it drives the engine the seed ran, in either DeepSeek-V4 generation (Miles main 31f1ca961
+with Megatron-LM miles-main 2e64d788b, or Miles e9e19b223 with Megatron-LM 6184c094a: `MILES_PINS`; which one a
+checkout is, generation.py reads from its code). This package
   - builds the whole job itself (`build_command`): the `train.py` argv from the preset, the planner's layout,
     the checkpoint's config.json (model_args.py) and the profile, and every rank's runtime env (env.py), with
     our torch_dist as --ref-load and Miles' own saves in --load/--save;

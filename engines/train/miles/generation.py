@@ -32,6 +32,10 @@ PLUGIN_DIR = Path("miles_plugins/models/deepseek_v4")
 """Where Miles keeps its DeepSeek-V4 Megatron model (both generations)."""
 
 
+EXPLICIT = "v4rl convert --megatron-names plugin|megatron; v4rl plan --miles-generation 1|2; the flow's miles_generation"
+"""How a user names the generation where the checkout cannot tell (in every error of this module)."""
+
+
 class MilesGenerationError(ValueError):
     """The directory is not a Miles checkout with a DeepSeek-V4 model v4rl knows; the message says what to do."""
 
@@ -65,7 +69,7 @@ def detect_generation(miles_dir: str | Path) -> MilesGeneration:
     if not model.is_file():
         raise MilesGenerationError(f"{root} has no {PLUGIN_DIR / 'deepseek_v4.py'}: not a Miles checkout with "
                                    "DeepSeek-V4 support; point --miles-dir (or $V4RL_MILES_DIR) at Miles main from "
-                                   "2026-08-21 or later, or pass --megatron-names plugin|megatron")
+                                   f"2026-08-21 or later, or choose explicitly ({EXPLICIT})")
     model_code = model.read_text(errors="replace")
     arguments = plugin / "arguments.py"
     args_code = arguments.read_text(errors="replace") if arguments.is_file() else ""
@@ -81,7 +85,7 @@ def detect_generation(miles_dir: str | Path) -> MilesGeneration:
     raise MilesGenerationError(
         f"{root}: its DeepSeek-V4 model matches neither generation v4rl knows (--dsv4-impl declared: {bool(impls)}, "
         f"checkpoint guard: {guard}, Megatron-named attention: {megatron_named}, plugin-named attention: "
-        f"{plugin_named}); pass --megatron-names plugin|megatron to choose the checkpoint names yourself")
+        f"{plugin_named}); choose explicitly ({EXPLICIT})")
 
 
 def _declared_choices(code: str, flag: str) -> tuple[str, ...]:

@@ -4,7 +4,8 @@
 probes/record_launcher.py) for a layout it has a preset for, v4rl builds its job for the same layout with the
 launcher's path conventions, and every train.py flag, every runtime-env variable and the submit's address are
 compared. What may differ is the committed allow-list below: each entry names the v4rl setting (or the
-conformance finding) that makes the difference intentional. Anything else is a DIFF.
+conformance finding) that makes the difference intentional. Anything else is a DIFF. The recorded Miles' DeepSeek-V4
+generation (engines/train/miles/generation.py) decides which job v4rl builds and which allow-list applies.
 
     rows = compare_with_launcher(MILES_1NODE_RUN, miles_dir="/path/to/miles")
     v4rl plan --preset dsv4-flash-mi355x-1node --compare-launcher [--miles-dir DIR]     # the table; exit 2 on a DIFF
@@ -59,6 +60,19 @@ ALLOWED: dict[tuple[str, str], str] = {
     # conformance A15: the launcher submits to the inherited RAY_ADDRESS; v4rl names the Site's explicitly
     ("submit", "--address"): "Site.ray_address passed explicitly (conformance A15)",
 }
+_GEN2_LAYOUT = ("Miles' DeepSeek-V4 generation 2: Megatron-LM 6184c094a's config build refuses hash MoE layers with "
+                "PP > 1 unless --pipeline-model-parallel-layout is set (conformance C7); v4rl writes the same stage "
+                "sizes as a layout, the launcher's --decoder-first/last-pipeline-num-layers fail there")
+ALLOWED_GEN2: dict[tuple[str, str], str] = {
+    **ALLOWED,
+    ("argv", "--dsv4-impl"): "MilesSettings.dsv4_impl: v4rl names the implementation it checked (the launcher "
+                             "leaves Miles' default, miles)",
+    ("argv", "--pipeline-model-parallel-layout"): _GEN2_LAYOUT,
+    ("argv", "--decoder-first-pipeline-num-layers"): _GEN2_LAYOUT,
+    ("argv", "--decoder-last-pipeline-num-layers"): _GEN2_LAYOUT,
+}
+"""The allow-list against a generation-2 Miles (e9e19b223 ships the same AMD launcher as 31f1ca961; its model
+script no longer passes --experimental-attention-variant, and neither does v4rl's generation-2 job)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,8 @@ class Comparison:
     launcher_argv: tuple[str, ...] = ()
     launcher_commands: tuple[str, ...] = ()
     """What else the launcher runs on its node before submitting (v4rl never does: conformance A16)."""
+    generation: int = 1
+    """The Miles DeepSeek-V4 generation of the recorded tree (v4rl's job is built for it)."""
 
     @property
     def diffs(self) -> list[Row]:
@@ -92,7 +108,8 @@ class Comparison:
         return not self.launcher_error and not self.diffs
 
     def to_json(self) -> dict[str, Any]:
-        return {"preset": self.preset, "ok": self.ok, "launcher_error": self.launcher_error,
+        return {"preset": self.preset, "ok": self.ok, "generation": self.generation,
+                "launcher_error": self.launcher_error,
                 "launcher_argv": list(self.launcher_argv), "launcher_commands": list(self.launcher_commands),
                 "rows": [r.__dict__ for r in self.rows]}
 
@@ -151,9 +168,15 @@ def v4rl_command(preset: RunPreset, miles_dir: Path, site: Site, cluster: Cluste
 def compare_with_launcher(preset: RunPreset, *, miles_dir: str | Path | None = None,
                           site: Site | None = None) -> Comparison:
     """Record Miles' launcher for the preset's layout and compare it with v4rl's job (see the module docstring)."""
-    from engines.engine_sources import miles_tree
+    import dataclasses
 
-    tree = miles_tree(miles_dir)
+    from engines.engine_sources import MILES_GENERATIONS, miles_tree
+    from engines.train.miles.generation import detect_generation
+
+    tree = miles_tree(miles_dir, MILES_GENERATIONS.get(preset.miles.generation, MILES_GENERATIONS[1])[0])
+    generation = detect_generation(tree).generation  # v4rl's job for the Miles whose launcher is recorded
+    if generation != preset.miles.generation:
+        preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=generation))
     site = site or Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="ens50f0",
                         ib_hca="rdma0,rdma1")
     cluster = layout_input(preset, profile=get_profile(preset.profile)).cluster
@@ -167,19 +190,21 @@ def compare_with_launcher(preset: RunPreset, *, miles_dir: str | Path | None = N
                           launcher_argv=tuple(argv))
     ours = v4rl_command(preset, tree, site, cluster)
     others = tuple(c for c in recorded["commands"] if "ray job submit" not in c)
-    return Comparison(preset.name, compare(recorded["submit"], ours, site), launcher_argv=tuple(argv),
-                      launcher_commands=others)
+    allowed = ALLOWED_GEN2 if generation == 2 else ALLOWED
+    return Comparison(preset.name, compare(recorded["submit"], ours, site, allowed), launcher_argv=tuple(argv),
+                      launcher_commands=others, generation=generation)
 
 
-def compare(submit: dict[str, Any], ours: MilesCommand, site: Site) -> list[Row]:
+def compare(submit: dict[str, Any], ours: MilesCommand, site: Site,
+            allowed: dict[tuple[str, str], str] = ALLOWED) -> list[Row]:
     """Rows for every flag, variable and submit option either side has."""
-    rows = [_row("submit", "script", submit["script"], ours.script),
-            _row("submit", "--address", submit["address"], site.resolved_ray_address)]
+    rows = [_row("submit", "script", submit["script"], ours.script, allowed),
+            _row("submit", "--address", submit["address"], site.resolved_ray_address, allowed)]
     theirs, mine = parse_flags(submit["argv"]), ours.flag_values()
     for flag in dict.fromkeys([*theirs, *mine]):
-        rows.append(_row("argv", flag, _show(theirs.get(flag)), _show(mine.get(flag))))
+        rows.append(_row("argv", flag, _show(theirs.get(flag)), _show(mine.get(flag)), allowed))
     for key in dict.fromkeys([*submit["env"], *ours.env]):
-        rows.append(_row("env", key, submit["env"].get(key), ours.env.get(key)))
+        rows.append(_row("env", key, submit["env"].get(key), ours.env.get(key), allowed))
     return rows
 
 
@@ -187,10 +212,11 @@ def _show(values: list[str] | None) -> str | None:
     return None if values is None else " ".join(values)
 
 
-def _row(kind: str, key: str, launcher: str | None, v4rl: str | None) -> Row:
+def _row(kind: str, key: str, launcher: str | None, v4rl: str | None,
+         allowed: dict[tuple[str, str], str] = ALLOWED) -> Row:
     if _equal(launcher, v4rl):
         return Row(kind, key, launcher, v4rl, "same")
-    reason = ALLOWED.get((kind, key))
+    reason = allowed.get((kind, key))
     return Row(kind, key, launcher, v4rl, "allowed" if reason else "DIFF", reason or "")
 
 
