@@ -105,6 +105,12 @@ def _check_miles_job(preset: str, miles: dict) -> dict:
         raise MilesRejected(check.summary())
     log.info("%s (Megatron-LM %s; stubbed GPU-only modules: %d)", check.summary(), check.megatron_dir,
              len(check.stubbed))
+    from engines.train.miles.model_check import check_job_model_keys  # Miles' model (meta) vs the checkpoint
+
+    keys = check_job_model_keys(eff, job, miles_dir=miles.get("miles_dir"), megatron_dir=miles.get("megatron_dir"))
+    if not keys.ok:
+        raise MilesRejected(keys.summary())
+    log.info("%s", keys.summary())
     return {"accepted": True, "miles_dir": check.miles_dir, "argv": prepared.command.argv,
             "submit": prepared.submit_argv[:5]}
 

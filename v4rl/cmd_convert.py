@@ -112,7 +112,14 @@ def register(app: typer.Typer) -> None:
     def verify_ckpt(ckpt: Path = typer.Argument(..., help="Megatron torch_dist checkpoint (root or iteration dir)."),
                     against: Path = typer.Option(None, help="HF checkpoint it was converted from: compare values."),
                     json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON."),
-                    progress: bool = typer.Option(True, help="Show a progress bar.")) -> None:
+                    progress: bool = typer.Option(True, help="Show a progress bar."),
+                    miles_dir: Path = typer.Option(None, help="Also run Miles' OWN model from this checkout on it: "
+                                                   "keys, load, and (with --against) a forward vs v4rl's model "
+                                                   "(v4rl/verify_miles.py; CPU, minutes)."),
+                    megatron_dir: Path = typer.Option(None, help="Megatron-LM checkout for --miles-dir "
+                                                      "(default $V4RL_MEGATRON_DIR or the pinned tarball)."),
+                    dsv4_impl: str = typer.Option(None, help="--dsv4-impl for a generation-2 Miles (miles|megatron).")
+                    ) -> None:
         """Load with megatron-core (load_tensors_metadata + load) and check names, shapes, dtypes, finiteness, values."""
         _check(inputs.torch_dist_checkpoint("CKPT", ckpt), inputs.hf_checkpoint("--against", against),
                inputs.output_file("--json", json_out))
@@ -129,3 +136,16 @@ def register(app: typer.Typer) -> None:
         what = f", {r.compared} source tensors equal" if against is not None else ""
         typer.echo(f"ok: megatron-core loads {r.tensors} tensors ({_gib(r.bytes)}), all finite{what} "
                    f"[{r.seconds:.1f} s]")
+        if miles_dir is not None:
+            from v4rl import verify_miles
+
+            try:
+                miles = verify_miles.verify_with_miles(ckpt, miles_dir=miles_dir, megatron_dir=megatron_dir,
+                                                       against=against, impl=dsv4_impl)
+            except (*_errors(), RuntimeError) as exc:
+                _fail(str(exc))
+            if json_out is not None:
+                json_out.write_text(json.dumps({**report, "miles": miles}, indent=1, default=str) + "\n")
+            typer.echo(verify_miles.summary(miles))
+            if not miles["ok"]:
+                raise typer.Exit(code=2)

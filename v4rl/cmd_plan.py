@@ -146,6 +146,10 @@ def plan(
         costs = plan_cost.cost_json(preset, overrides, storage_gb_per_s=storage_gb_per_s,
                                     save_optim=not no_save_optim) if cluster else None
         sglang_check = _sglang_check(preset, overrides, sglang_dir, sglang_update) if sglang_dir else None
+        from v4rl.verify_miles import plan_model_keys  # Miles' model vs the checkpoint (meta device, minutes)
+
+        model_keys = plan_model_keys(preset, overrides, job, miles_dir=miles_dir, megatron_dir=megatron_dir) \
+            if cluster and miles_dir else None
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
@@ -153,7 +157,8 @@ def plan(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=BAD_INPUT)
     code = FEASIBLE if result.feasible else INFEASIBLE
-    if (check is not None and not check.ok) or (comparison is not None and not comparison.ok):
+    if (check is not None and not check.ok) or (comparison is not None and not comparison.ok) or \
+            (model_keys is not None and not model_keys.ok):
         code = INFEASIBLE
     if sglang_check is not None and not sglang_check.ok:
         code = INFEASIBLE
@@ -171,6 +176,8 @@ def plan(
             obj["storage_cost"] = costs
         if sglang_check is not None:
             obj["sglang_model_check"] = sglang_check.to_json()
+        if model_keys is not None:
+            obj["miles_model_keys"] = model_keys.to_json()
         if launch_obj is not None:
             obj = {**obj, "launch": launch_obj} if json_out else launch_obj
         typer.echo(json.dumps(obj, indent=1))
@@ -190,6 +197,8 @@ def plan(
             from v4rl import plan_sglang
 
             plan_sglang.print_check(sglang_check)
+        if model_keys is not None:
+            typer.echo(model_keys.summary())
     raise typer.Exit(code=code)
 
 
