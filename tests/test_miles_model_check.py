@@ -46,3 +46,15 @@ def test_megatron_vocab_padding():
     assert padded_vocab(129280, 4) == 129536 and padded_vocab(129280, 8) == 130048
     assert padded_vocab(129280, 4, divisible_by=64) == 129280  # the divisor that removes them at TP 4
     assert padded_vocab(500, 1) == 512
+
+
+def test_the_job_passes_a_vocab_divisor_only_where_megatron_would_pad():
+    from engines.run_presets import get_run_preset
+    from engines.train.miles.train_args import padded_vocab, vocab_args, vocab_divisor
+
+    assert vocab_divisor(129280, 4) == 64 and vocab_divisor(129280, 8) == 32 and vocab_divisor(500, 1) == 4
+    for tp in (1, 2, 4, 8):
+        assert padded_vocab(129280, tp, vocab_divisor(129280, tp)) == 129280
+    seed, wide = get_run_preset("dsv4-flash-mi355x"), get_run_preset("dsv4-flash-mi355x-32gpu")
+    assert seed.parallel.tp == 1 and vocab_args(seed, 129280) == []  # as Miles' launcher: nothing to pad
+    assert wide.parallel.tp == 4 and vocab_args(wide, 129280) == ["--make-vocab-size-divisible-by", "64"]

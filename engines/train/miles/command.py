@@ -154,7 +154,7 @@ def build_command(preset: RunPreset, job: MilesJob, *, site: Site | None = None,
     cluster = cluster or layout_input(preset, profile=profile).cluster
     config, source = _model_config(preset, job, hf_config)
     argv = model_args(config, source=source, generation=preset.miles.generation)
-    argv += T.dsv4_args(preset, profile)
+    argv += T.vocab_args(preset, int(config["vocab_size"])) + T.dsv4_args(preset, profile)
     argv += T.checkpoint_args(preset, job) + T.rollout_args(preset, job) + T.optimizer_args(preset)
     argv += T.grpo_args(preset) + T.wandb_args(job)
     argv += T.perf_args(preset, num_layers=int(config.get("num_hidden_layers") or 0) or None,

@@ -58,6 +58,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     # never restored) and needs o_lora_rank % 128 == 0; Miles' CUDA launcher sets 0 too, its AMD one leaves it
     ("env", "SGLANG_OPT_FP8_WO_A_GEMM"): "engines/rollout/update_settings.py: 0 so online updates reproduce a "
                                          "fresh load (conformance C9)",
+    # README "Megatron conformance": Miles' logprob softmax runs over Megatron's padded vocab (zero-filled rows)
+    ("argv", "--make-vocab-size-divisible-by"): "train_args.vocab_args: a divisor at which Megatron pads no vocab "
+                                               "row at this TP (129,280 at TP 4: 64)",
     # conformance A10: the launcher forwards only NCCL/GLOO_SOCKET_IFNAME; v4rl gives every rank the site network
     ("env", "TP_SOCKET_IFNAME"): "Site.network_env: in the runtime env for every rank (conformance A10)",
     ("env", "NCCL_IB_HCA"): "Site.network_env: in the runtime env for every rank (conformance A10)",

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from engines.train.miles.train_args import MEGATRON_VOCAB_DIVISIBLE_BY as MAKE_VOCAB_DIVISIBLE_BY
+from engines.train.miles.train_args import padded_vocab, vocab_args
 
 PROBES = Path(__file__).with_name("probes")
 PROBE = PROBES / "model_probe.py"
@@ -316,19 +318,10 @@ def check_job_model_keys(preset, job, *, miles_dir: str | Path | None = None,
     check = check_model_keys(config, ckpt=job.ref_load, miles_dir=miles_dir, megatron_dir=megatron_dir,
                              impl=getattr(preset.miles, "dsv4_impl", None))
     vocab, tp = int(config["vocab_size"]), preset.parallel.tp
-    padded = padded_vocab(vocab, tp)
-    if padded != vocab:
-        check.vocab_note = (f"at TP {tp} Megatron pads the vocab {vocab} -> {padded} (--make-vocab-size-divisible-by "
-                            f"{MAKE_VOCAB_DIVISIBLE_BY} x TP): {padded - vocab} pad rows load as zeros and their logit "
-                            "0 enters Miles' logprob softmax (README 'Megatron conformance', vocab padding)")
+    given = vocab_args(preset, vocab)
+    padded = padded_vocab(vocab, tp, int(given[1]) if given else MAKE_VOCAB_DIVISIBLE_BY)
+    if padded != vocab:  # TP does not divide the vocab: no divisor avoids the pad rows
+        check.vocab_note = (f"at TP {tp} Megatron pads the vocab {vocab} -> {padded}: {padded - vocab} pad rows load "
+                            "as zeros and their logit 0 enters Miles' logprob softmax (README 'Megatron conformance', "
+                            "vocab padding); choose a TP that divides the vocab")
     return check
-
-
-MAKE_VOCAB_DIVISIBLE_BY = 128
-"""Megatron's default --make-vocab-size-divisible-by (v4rl's job does not set it)."""
-
-
-def padded_vocab(vocab: int, tp: int, divisible_by: int = MAKE_VOCAB_DIVISIBLE_BY) -> int:
-    """Megatron's `_vocab_size_with_padding`: the vocab rounded up to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple

@@ -102,6 +102,36 @@ def needs_pipeline_layout(preset: "RunPreset", hash_layers: int) -> bool:
     return preset.miles.generation == 2 and preset.parallel.pp > 1 and hash_layers > 0
 
 
+MEGATRON_VOCAB_DIVISIBLE_BY = 128
+"""Megatron's default --make-vocab-size-divisible-by: the vocab is padded to a multiple of this x TP."""
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron's `_vocab_size_with_padding`: the vocab rounded up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def vocab_divisor(vocab: int, tp: int) -> int:
+    """The largest power of two <= Megatron's default whose multiple by TP divides the vocab: Megatron then pads
+    nothing. Pad rows are not inert in Miles: its loader fills them with zeros and its logprob softmax runs over the
+    padded width, so each zero logit moves every token's logprob (0.020 nats on the tiny model's 500 -> 512;
+    README "Megatron conformance"). 1 when TP does not divide the vocab (padding cannot be avoided)."""
+    divisor = MEGATRON_VOCAB_DIVISIBLE_BY
+    while divisor > 1 and vocab % (divisor * tp):
+        divisor //= 2
+    return divisor
+
+
+def vocab_args(preset: "RunPreset", vocab: int) -> list[str]:
+    """`--make-vocab-size-divisible-by` only where Megatron's default would pad this vocab at the preset's TP
+    (Flash's 129,280 at TP 4 -> 64; at TP 1 nothing is passed, as Miles' launcher)."""
+    tp = preset.parallel.tp
+    if padded_vocab(vocab, tp) == vocab:
+        return []
+    return ["--make-vocab-size-divisible-by", str(vocab_divisor(vocab, tp))]
+
+
 def megatron_parallel_args(preset: "RunPreset", *, num_layers: int | None = None, hash_layers: int = 0) -> list[str]:
     """The Megatron parallel flags of the actor (what every trainer rank is started with). Stage sizes go as
     `--decoder-first/last-pipeline-num-layers`, or as one `--pipeline-model-parallel-layout` where the Miles
