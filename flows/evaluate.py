@@ -47,7 +47,26 @@ def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_sampl
                           key=artifact_key, description=f"held-out evaluation at step {step}")
     _publish_plot(run_dir, step, artifact_key)
     print(f"step {step}: " + ", ".join(f"{k} {result[k]:.3f}" for k in ("pass@1", "pass@8") if k in result))
-    return {"step": step, **result}
+    regression = _regression_check(run_dir, step, result)
+    return {"step": step, **result, "regression": regression}
+
+
+def _regression_check(run_dir: str, step: int, result: dict) -> dict:
+    """The run's regression check as each evaluation lands (rl/verdict.py evaluation_regression): a pass@1 drop
+    below the best earlier evaluation beyond the noise is logged as a warning while training goes on; the nightly
+    verdict at the end judges the run against earlier nights."""
+    from prefect import get_run_logger
+
+    from engines.train.runlog import RunLog
+    from rl.verdict import evaluation_regression
+
+    check = evaluation_regression({"step": step, **result}, RunLog(run_dir).evals())
+    if check["status"] == "regressed":
+        get_run_logger().warning(
+            "step %d: held-out pass@1 %.3f is %.3f below step %s's %.3f, more than the noise band %.3f "
+            "(2 standard errors of the difference); training goes on, the report and the nightly verdict show it",
+            step, check["pass@1"], check["drop"], check["best_step"], check["best_pass@1"], check["band"])
+    return check
 
 
 def _publish_plot(run_dir: str, step: int, artifact_key: str | None) -> None:

@@ -82,3 +82,28 @@ def nightly_verdict(tonight: dict, history: list[dict], *, align_threshold: floa
             reasons.append(f"pass@1: {p:.3f} is below the history band (mean {mean:.3f} over {len(past)} nights, "
                            f"lower edge {lower:.3f} at {z} sigma of history spread plus sampling noise)")
     return Verdict(passed=not reasons, reasons=reasons, checks=checks)
+
+
+def evaluation_regression(now: dict, earlier: list[dict], *, z: float = 2.0) -> dict:
+    """The regression check of one evaluation as it lands, against the run's earlier evaluations: pass@1 below the
+    best earlier pass@1 by more than z standard errors of the difference (each evaluation's `pass@1_stderr`, the
+    spread over its problems). Returns {"status": "ok"|"regressed"|"no_history"|"no_stderr", ...}.
+
+    >>> evaluation_regression({"step": 20, "pass@1": 0.20, "pass@1_stderr": 0.02},
+    ...                       [{"step": 10, "pass@1": 0.40, "pass@1_stderr": 0.02}])["status"]
+    'regressed'
+    >>> evaluation_regression({"step": 20, "pass@1": 0.38, "pass@1_stderr": 0.02},
+    ...                       [{"step": 10, "pass@1": 0.40, "pass@1_stderr": 0.02}])["status"]
+    'ok'
+    """
+    past = [e for e in earlier if e.get("pass@1") is not None and e.get("step", -1) < now.get("step", 0)]
+    if now.get("pass@1") is None or not past:
+        return {"status": "no_history"}
+    best = max(past, key=lambda e: e["pass@1"])
+    se_now, se_best = now.get("pass@1_stderr"), best.get("pass@1_stderr")
+    if se_now is None or se_best is None:  # evaluations written before the stderr was recorded
+        return {"status": "no_stderr", "best_step": best.get("step")}
+    band = z * math.sqrt(se_now ** 2 + se_best ** 2)
+    drop = best["pass@1"] - now["pass@1"]
+    return {"status": "regressed" if drop > band else "ok", "pass@1": now["pass@1"], "best_pass@1": best["pass@1"],
+            "best_step": best.get("step"), "drop": drop, "band": band}

@@ -62,3 +62,19 @@ def test_history_is_compared_per_preset():
     history = [{"pass@1": 0.3}, {"pass@1": 0.31, "preset": "tiny-cpu"}, {"pass@1": 0.05, "preset": "dsv4-flash-mi355x"}]
     assert same_preset(history, "tiny-cpu") == history[:2]  # records from before presets were recorded: tiny-cpu
     assert same_preset(history, "dsv4-flash-mi355x") == history[2:]
+
+
+def test_each_landed_evaluation_is_checked_against_the_runs_earlier_ones() -> None:
+    import doctest
+
+    import rl.verdict
+    from rl.verdict import evaluation_regression
+
+    assert doctest.testmod(rl.verdict).failed == 0
+    earlier = [{"step": 0, "pass@1": 0.29, "pass@1_stderr": 0.017}, {"step": 10, "pass@1": 0.45, "pass@1_stderr": 0.02}]
+    drop = evaluation_regression({"step": 20, "pass@1": 0.36, "pass@1_stderr": 0.02}, earlier)
+    assert drop["status"] == "regressed" and drop["best_step"] == 10 and abs(drop["drop"] - 0.09) < 1e-9
+    assert evaluation_regression({"step": 20, "pass@1": 0.42, "pass@1_stderr": 0.02}, earlier)["status"] == "ok"
+    # only earlier steps count (a resumed run may hold later files), and old records without a stderr say so
+    assert evaluation_regression({"step": 0, "pass@1": 0.1, "pass@1_stderr": 0.01}, earlier)["status"] == "no_history"
+    assert evaluation_regression({"step": 20, "pass@1": 0.1}, earlier)["status"] == "no_stderr"
