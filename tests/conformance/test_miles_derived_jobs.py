@@ -1,6 +1,7 @@
 """Miles' own parse_args (main 31f1ca961 with Megatron-LM 2e64d788b, on CPU through the preflight's probe)
 accepts every job the pipeline derives from v4rl's training job (engines/train/miles/jobs.py) for the seed's
-layout, and resolves what each one is for: a training segment, Miles' eval-only run on --ref-load and on a
+layout, and resolves what each one is for: the run's one training job (first submission and a
+resubmission that skips the evaluation already recorded), Miles' eval-only run on --ref-load and on a
 saved iteration, and the alignment gate's train-only debug run. About 3 minutes on 2 cores (one Miles import
 per job).
 
@@ -17,7 +18,7 @@ def test_every_derived_job_passes_miles_parse_args(miles_tree, megatron_tree, sg
     from engines.run_presets import SEED_RUN, layout_input
     from engines.site import Site
     from engines.train.miles import MilesJob, build_command
-    from engines.train.miles.jobs import align_argv, eval_only_argv, segment_argv
+    from engines.train.miles.jobs import align_argv, eval_only_argv, run_argv
     from engines.train.miles.preflight import check_command
 
     profile = get_profile(SEED_RUN.profile)
@@ -28,9 +29,12 @@ def test_every_derived_job_passes_miles_parse_args(miles_tree, megatron_tree, sg
     command = build_command(SEED_RUN, job, site=site, cluster=cluster, profile=profile)
     n = SEED_RUN.train.n_samples_per_prompt
     jobs = {
-        "segment": (segment_argv(command.argv, until=10, eval_interval=10),
-                    {"num_rollout": 10, "skip_eval_before_train": True, "log_passrate": True, "eval_interval": 10,
-                     "save": save}),
+        "run": (run_argv(command.argv, steps=30, eval_interval=10, save_interval=20),
+                {"num_rollout": 30, "skip_eval_before_train": False, "log_passrate": True, "eval_interval": 10,
+                 "save_interval": 20, "save": save, "load": ref}),  # no tracker in --save yet: Miles starts
+                                                                          # from --ref-load, our torch_dist
+        "resubmission": (run_argv(command.argv, steps=30, eval_interval=10, save_interval=20, evaluate_first=False),
+                         {"num_rollout": 30, "skip_eval_before_train": True, "eval_interval": 10, "save": save}),
         "eval step 0": (eval_only_argv(command.argv),
                         {"num_rollout": 0, "load": ref, "save": None, "log_passrate": True, "finetune": True}),
         "eval step 20": (eval_only_argv(command.argv, checkpoint_dir=save, iteration=19),
