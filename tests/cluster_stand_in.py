@@ -132,7 +132,7 @@ def replace_cluster_only_steps(module) -> dict:
         return {"replaced": "preflight (tests/test_miles_job.py, tests/conformance/ check it)"}
 
     @task(name="convert")
-    def convert(src: str, dst: str) -> dict:
+    def convert(src: str, dst: str, megatron_names: str = "plugin") -> dict:
         Path(dst).mkdir(parents=True, exist_ok=True)
         return {"dst": dst}
 
