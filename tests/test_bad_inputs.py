@@ -27,6 +27,7 @@ import logging
 import pickle
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -296,12 +297,17 @@ def test_a_broken_data_file_fails_the_flow_once_with_its_one_line(prefect_server
     assert "malformed_json=1 (rows 50)" in message and "lower prompts_per_step" in message
     output = capfd.readouterr()
     assert "ArrowInvalid" not in output.out + output.err and "DatasetGenerationError" not in output.out + output.err
-    with get_client(sync_client=True) as client:
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details
-                                                                                           .flow_run_id])))
-    preflight = [r for r in runs if r.name.startswith("preflight")]
+    deadline = time.monotonic() + 30  # task runs reach the server as events, a moment after the flow run ends
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details
+                                                                                               .flow_run_id])))
+        preflight = [r for r in runs if r.name.startswith("preflight")]
+        if (preflight and preflight[0].run_count >= 1) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert len(preflight) == 1 and preflight[0].run_count == 1, [(r.name, r.run_count) for r in runs]
     assert [r.name for r in runs if not r.name.startswith("preflight")] == []  # nothing after it ran
 
