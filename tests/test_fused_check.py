@@ -18,6 +18,7 @@ import torch
 
 from engines.model import fused, fused_check, kernels
 from engines.model.fused_check import ERROR_FACTOR, Float64Reference, check_config
+from tests.test_kernels import _generation  # prefill then cached decode, logits per step
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
@@ -46,17 +47,6 @@ def _trained_base(tiny_base):
     model.load_state_dict(state, strict=False)
     model.fused_kernels = True
     return model
-
-
-def _generation(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    from engines.model import DecodeBatch
-
-    with torch.inference_mode():
-        logits, caches = model.prefill(ids)
-        batch, out = DecodeBatch.from_caches(model.cfg, caches), [logits]
-        for step in range(steps):
-            out.append(model.decode(ids[:, step], batch))
-    return out
 
 
 def _planted(name: str, relative: float):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import prefect_ui_screenshot as shot
-from tests.prefect_server import QUIET_ENV, free_port, wait_for
+from tests.prefect_server import QUIET_ENV, free_port, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "prefect_ui_screenshot.py"
@@ -52,12 +52,7 @@ def misdirected_server(tmp_path_factory):
         wait_for(f"http://127.0.0.1:{port}/api/health", timeout=300, proc=proc)
         yield {"base": f"http://127.0.0.1:{port}", "dead_api": f"http://127.0.0.1:{dead_port}/api"}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
