@@ -93,3 +93,30 @@ def stop_process(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def flow_run_children(flow_run_id, expect: tuple[str, ...] = (), timeout: float = 90.0) -> tuple[list, list]:
+    """(task runs, subflow runs) of a flow run, once a task run named `<name>-N` in a final state is on the server
+    for each name in `expect`.
+
+    The server records task runs from events in a background service, so right after a flow run ends some of its
+    task runs may not be readable yet (seen for whole minutes late in a long CI run); subflow runs are created
+    through the API and are there at once. Returns what is there at the timeout, so the caller's assertion names
+    what is missing.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            settled = {t.name.rsplit("-", 1)[0] for t in tasks if t.state and t.state.is_final()}
+            if set(expect) <= settled or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    return tasks, subflows

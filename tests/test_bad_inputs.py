@@ -27,7 +27,6 @@ import logging
 import pickle
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ import torch
 from rl.grading import Grader, GraderFailed
 from rl.loop import Completion, LoopConfig, evaluate, rollout_step
 from rl.rewards import strict_math_reward
-from tests.prefect_server import prefect_server  # noqa: F401
+from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
 
 PROMPT = "Compute {a}+{b}. Answer in \\boxed{{}}."
 BAD_LABEL = "9" * 300  # longer than rl.rewards.MAX_ANSWER_CHARS: math-verify refuses it (a grader error, not "wrong")
@@ -279,8 +278,6 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
 def test_a_broken_data_file_fails_the_flow_once_with_its_one_line(prefect_server, tmp_path, capfd):  # noqa: F811
     """A JSONL with one malformed line in 101 rows: the line is a dropped row (counted, named), and where the usable
     rows fall short preflight fails once, not retried, with the DatasetError's line; no datasets/Arrow traceback."""
-    from prefect.client.orchestration import get_client
-
     from flows.rl_pipeline import rl_pipeline
 
     rows = [json.dumps({"prompt": PROMPT.format(a=i, b=i), "label": str(2 * i)}) for i in range(101)]
@@ -297,17 +294,8 @@ def test_a_broken_data_file_fails_the_flow_once_with_its_one_line(prefect_server
     assert "malformed_json=1 (rows 50)" in message and "lower prompts_per_step" in message
     output = capfd.readouterr()
     assert "ArrowInvalid" not in output.out + output.err and "DatasetGenerationError" not in output.out + output.err
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    deadline = time.monotonic() + 30  # task runs reach the server as events, a moment after the flow run ends
-    while True:
-        with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details
-                                                                                               .flow_run_id])))
-        preflight = [r for r in runs if r.name.startswith("preflight")]
-        if (preflight and preflight[0].run_count >= 1) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    runs, _ = flow_run_children(state.state_details.flow_run_id, expect=("preflight",))
+    preflight = [r for r in runs if r.name.startswith("preflight")]
     assert len(preflight) == 1 and preflight[0].run_count == 1, [(r.name, r.run_count) for r in runs]
     assert [r.name for r in runs if not r.name.startswith("preflight")] == []  # nothing after it ran
 

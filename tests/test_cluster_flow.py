@@ -31,7 +31,7 @@ import pytest
 
 from engines.train.miles.jobs import flag_values
 from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls, replace_cluster_only_steps
-from tests.prefect_server import prefect_server  # noqa: F401
+from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,17 +47,6 @@ def stand_in(tmp_path, monkeypatch):
         monkeypatch.setattr(pipeline, name, getattr(pipeline, name))  # so that the originals come back afterwards
     replace_cluster_only_steps(pipeline)
     return tmp_path / "calls.jsonl"
-
-
-def _children(flow_run_id) -> tuple[list, list]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
-
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        subflows = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
-    return tasks, subflows
 
 
 def _evaluations(subflows) -> list[tuple[int, float]]:
@@ -90,7 +79,7 @@ def test_one_job_and_its_evaluations_published_while_it_runs(prefect_server, sta
     submits, ended = [c for c in calls if "submit" in c], [c for c in calls if "ended" in c]
     assert len(submits) == 1 and len(ended) == 1, calls  # one Miles job trained the whole run
     assert flag_values(submits[0]["argv"], "--num-rollout") == ["30"]
-    tasks, subflows = _children(state.state_details.flow_run_id)
+    tasks, subflows = flow_run_children(state.state_details.flow_run_id, expect=("train",))
     assert len(_trains(tasks)) == 1, [t.name for t in tasks]
     evaluations = _evaluations(subflows)
     assert [step for step, _ in evaluations] == [0, 10, 20, 30], evaluations  # each once, as a subflow run
@@ -114,7 +103,7 @@ def test_killed_job_is_resubmitted_once_and_records_hold_each_step_once(prefect_
     assert [c["died"] for c in calls if "died" in c] == [25]
     assert [s["start"] for s in submits] == [0, 20], submits  # one resubmission, at iteration 19 + 1
     assert flag_values(submits[1]["argv"], "--skip-eval-before-train") == []  # step 20 was evaluated already
-    tasks, subflows = _children(state.state_details.flow_run_id)
+    tasks, subflows = flow_run_children(state.state_details.flow_run_id, expect=("train",))
     trains = _trains(tasks)
     assert len(trains) == 1 and trains[0].run_count == 2, [(t.name, t.run_count) for t in trains]
     assert [step for step, _ in _evaluations(subflows)] == [0, 10, 20, 30]

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.prefect_server import prefect_server  # noqa: F401
+from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
 from tests.s3_server import TEST_CREDENTIALS, moto_server, s3_bucket  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,17 +42,6 @@ def _run_deployment(env: dict, name: str, params: dict):
         return client.read_flow_run(match.group(1))
 
 
-def _children(flow_run_id) -> tuple[list, list]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
-
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        subflows = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
-    return tasks, subflows
-
-
 def _artifact_keys() -> set[str]:
     from prefect import get_client
 
@@ -70,7 +59,8 @@ def test_pipeline_and_nightly_through_deployments(prefect_server, s3_bucket, tmp
 
     run = _run_deployment(env, "rl-pipeline/tiny-cpu", {**small, "preset": "tiny-cpu", "run_key": "e2e"})
     assert run.state.is_completed(), run.state
-    tasks, subflows = _children(run.id)
+    tasks, subflows = flow_run_children(
+        run.id, expect=("preflight", "convert", "verify", "train", "upload-artifacts", "report"))
     names = {t.name.rsplit("-", 1)[0] for t in tasks}
     assert {"preflight", "convert", "verify", "train", "upload-artifacts", "report"} <= names, names
     assert sum(t.name.rsplit("-", 1)[0] == "train" for t in tasks) == 1  # one training task for the run

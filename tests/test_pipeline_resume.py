@@ -10,28 +10,12 @@ from __future__ import annotations
 
 import json
 
-from tests.prefect_server import prefect_server  # noqa: F401
-
-
-def _runs(flow_run_id) -> tuple[list, list]:
-    """(task runs, subflow runs) of a flow run."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
-
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        subflows = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
-    return tasks, subflows
+from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
 
 
 def _task_states(flow_run_id) -> dict[str, str]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r.state.name for r in runs}
+    tasks, _ = flow_run_children(flow_run_id, expect=("convert", "train"))
+    return {r.name: r.state.name for r in tasks}
 
 
 def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_server, tiny_base, tmp_path):  # noqa: F811
@@ -45,7 +29,7 @@ def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_
     assert first.is_completed(), first
     states = _task_states(first.state_details.flow_run_id)
     assert any(n.startswith("convert") and s == "Completed" for n, s in states.items()), states
-    tasks, subflows = _runs(first.state_details.flow_run_id)
+    tasks, subflows = flow_run_children(first.state_details.flow_run_id, expect=("convert", "train"))
     trains = [t for t in tasks if t.name.rsplit("-", 1)[0] == "train"]
     assert len(trains) == 1, [t.name for t in tasks]  # one training task for the run
     evaluations = sorted((f.parameters["step"], f.start_time) for f in subflows if "step" in (f.parameters or {}))

@@ -42,7 +42,7 @@ import torch
 from engines.model import faults, fused, fused_check
 from engines.model.attention import LayerCache
 from engines.model.config import CSA, HCA, SLIDING
-from engines.model.decode_batch import DecodeBatch
+from engines.model.decode_batch import DecodeBatch, LayerSlots
 from engines.model.layers import rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger("v4rl.kernels")

@@ -1,8 +1,6 @@
 """transformer_engine.pytorch.cpp_extensions stand-in: `general_gemm`, as Megatron's router calls it (layout TN:
 out = B A^T, inputs as given, accumulation and output in `out_dtype`, plus bias)."""
 
-import torch
-
 
 def general_gemm(A, B, workspace=None, out_dtype=None, layout="TN", out=None, bias=None, **kwargs):
     if layout != "TN" or kwargs.get("accumulate") or kwargs.get("gelu") or kwargs.get("quantization_params"):
