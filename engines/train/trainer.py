@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.model.config import ModelConfig
+from engines.train.bf16 import bf16_autocast
 from engines.train.hf_model import native_from_reference, reference_from_native, use_native_mhc
 
 
@@ -194,8 +195,7 @@ class Trainer:
             torch.set_num_threads(before)
 
     def _autocast(self):
-        enabled = self.config.compute_dtype == "bfloat16"
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+        return bf16_autocast(enabled=self.config.compute_dtype == "bfloat16")
 
     @property
     def shares_prefix(self) -> bool:
