@@ -101,9 +101,12 @@ def verify_with_miles(ckpt: str | Path, *, miles_dir: str | Path | None, megatro
         comparison = compare_keys(result.keys, checkpoint_keys(ckpt))
         report["keys"] = {"ok": comparison.ok, "model_keys": len(result.keys), "problems": comparison.problems(
             fix=f"convert with `v4rl convert SRC DST --miles-dir {miles}`")}
-        report["loads"] = [{**load, "ok": not load["at_sentinel"] and not load["will_skip"]} for load in result.loads]
+        report["loads"] = [{**load, "ok": not load["at_sentinel"] and not load["will_skip"] and "refused" not in load}
+                           for load in result.loads]
         if result.forwards:
             report["forward"] = _forward_report(result.forwards["clean"], against, cfg, ids)
+        elif result.raw.get("forward_skipped"):
+            report["forward_skipped"] = result.raw["forward_skipped"]
     checks = [report["keys"]["ok"], *(load["ok"] for load in report["loads"])]
     if "forward" in report:
         checks += [report["forward"]["ok"]]
@@ -135,9 +138,14 @@ def summary(report: dict[str, Any]) -> str:
     if not report["ran_on_cpu"]:
         lines.append(f"  (b)/(c) not run: {report['parameters']:,} parameters do not fit in this machine's memory")
     for load in report["loads"]:
+        if "refused" in load:
+            lines.append(f"  (b) load {load['dir']}: Miles refused it: {load['refused'].splitlines()[0][:400]}")
+            continue
         lines.append(f"  (b) load {load['dir']}: " + ("ok, every parameter loaded" if load["ok"] else
                      f"{len(load['at_sentinel'])} parameters never loaded {load['at_sentinel'][:5]}; "
                      f"`will skip`: {load['will_skip'][:3]}"))
+    if "forward_skipped" in report:
+        lines.append(f"  (c) forward: {report['forward_skipped']}")
     if "forward" in report:
         f = report["forward"]
         lp = f["logprobs"]

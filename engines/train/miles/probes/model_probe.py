@@ -350,9 +350,16 @@ def probe(request: dict) -> dict:
             answer["loads"] = []
             for load_dir in request.get("load_dirs", []):
                 answer["stage"] = f"load {load_dir}"
-                answer["loads"].append({"dir": load_dir, **load_and_check(model, args, load_dir)})
+                try:
+                    answer["loads"].append({"dir": load_dir, **load_and_check(model, args, load_dir)})
+                except Exception as exc:  # Miles refusing the checkpoint (its own guard) is check (b)'s outcome
+                    answer["loads"].append({"dir": load_dir, "refused": f"{type(exc).__name__}: {exc}",
+                                            "at_sentinel": [], "will_skip": []})
             answer["built_and_loaded"] = True  # keys and loads are in; a forward failure below leaves them
-            if "forward" in request["do"]:
+            refused = [load["dir"] for load in answer["loads"] if "refused" in load]
+            if "forward" in request["do"] and refused:
+                answer["forward_skipped"] = f"not run: Miles refused to load {refused[0]}"
+            elif "forward" in request["do"]:
                 answer["stage"] = "forward"
                 out = Path(request["out_dir"])
                 answer["forwards"] = {"clean": forward(model, request["tokens"], out / "forward-clean.pt")}
