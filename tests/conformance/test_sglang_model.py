@@ -128,9 +128,7 @@ def test_embedded_trainer_update_round_trips_on_the_engine_it_was_started_for(re
 def test_distributed_update_in_v4rls_buckets_round_trips(results):
     got = results["distributed:wo_a-bf16:fp4"]
     assert got.raw["update"]["calls"] > 50  # small buckets: a split fused pair would have failed a call
-    if not got.round_trips and "wo_a.weight_scale_inv not found in params_dict" in got.reason:
-        pytest.xfail("v4rl sends wo_a's scale as `wo_a.weight_scale_inv`; with SGLANG_OPT_FP8_WO_A_GEMM=0 SGLang "
-                     "dequantizes wo_a only when it arrives as `wo_a.scale` (v4rl's side of #20): " + got.reason)
+    # v4rl sends wo_a's scale as `wo_a.scale`, the one name SGLang dequantizes under SGLANG_OPT_FP8_WO_A_GEMM=0
     assert got.round_trips, got.reason
 
 
@@ -192,8 +190,6 @@ def test_update_matrix(matrix, mode, experts, kind):
         assert any(EXPECTED_FAILURE[mode] in d for d in got.raw["not_restored"]), got.raw["not_restored"][:3]
         assert not got.round_trips, f"{mode} now round-trips: stock SGLang was fixed, update the README table"
         return
-    if kind == "distributed" and "wo_a.weight_scale_inv not found in params_dict" in got.reason:
-        pytest.xfail("v4rl's wo_a scale name under SGLANG_OPT_FP8_WO_A_GEMM=0 (v4rl's side of #20): " + got.reason)
     assert got.round_trips, got.reason
 
 
