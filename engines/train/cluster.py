@@ -31,6 +31,15 @@ class RemoteCallTimeout(TimeoutError):
     pass
 
 
+class _NoThreadSigtermWarning(logging.Filter):
+    """Drops ray.init's "SIGTERM handler is not set ... not the main thread" warning. The rl-pipeline starts Ray
+    from its training thread on purpose; SIGTERM reaches the flow's main thread, which stops the training through
+    engines/train/stopping.py (actors killed, `ray.shutdown` here), so Ray's own handler is not needed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
     """Connect to RAY_ADDRESS if set, else start a loopback-only local cluster; shut down what we started."""
@@ -42,6 +51,9 @@ def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
     if ray.is_initialized():
         yield {"address": "existing", "started": False}
         return
+    ray_worker_log = logging.getLogger("ray._private.worker")
+    if not any(isinstance(f, _NoThreadSigtermWarning) for f in ray_worker_log.filters):
+        ray_worker_log.addFilter(_NoThreadSigtermWarning())
     if address:
         ray.init(address=address, namespace="v4rl", log_to_driver=True)
         started = False
