@@ -34,6 +34,8 @@ _MATMULS = frozenset({
     torch.Tensor.baddbmm, torch.einsum,
 })
 """Autocast's BF16 matmuls as the model calls them (F.linear, @, bmm, einsum, ...)."""
+_AUTOCAST_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+"""The floating dtypes autocast casts to BF16 (float64 passes through it unchanged)."""
 
 
 @functools.cache
@@ -49,7 +51,7 @@ def native_bf16_matmul() -> bool:
 
 
 def _widen(value):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
+    if isinstance(value, torch.Tensor) and value.dtype in _AUTOCAST_INPUTS:
         return value.to(torch.bfloat16).float()
     if isinstance(value, (list, tuple)):  # einsum's operands may come as one list
         return type(value)(_widen(v) for v in value)
