@@ -122,8 +122,8 @@ def test_b8_logprob_start_len(served):
     _, client = served
     n = len(PROMPT)
     for start in (-1, n):
-        meta = _gen(client, return_logprob=True, logprob_start_len=start,
-                    sampling_params={"max_new_tokens": 2})["meta_info"]
+        meta = _gen(client, return_logprob=True, logprob_start_len=start,  # EOS could end it after one token
+                    sampling_params={"max_new_tokens": 2, "ignore_eos": True})["meta_info"]
         assert meta["input_token_logprobs"] == [] and len(meta["output_token_logprobs"]) == 2
     meta = _gen(client, return_logprob=True, logprob_start_len=n - 1,
                 sampling_params={"max_new_tokens": 0})["meta_info"]
