@@ -77,7 +77,8 @@ def test_trainer_logprobs_emulated_match_native_bf16_far_inside_bf16_noise(matmu
     out = {}
     for mode, dtype in (("native", "bfloat16"), ("emulated", "bfloat16"), ("native", "float32")):
         matmul_mode(mode)
-        trainer = Trainer.from_native(cfg, {k: v.clone() for k, v in native.items()}, TrainerConfig(compute_dtype=dtype))
+        weights = {k: v.clone() for k, v in native.items()}
+        trainer = Trainer.from_native(cfg, weights, TrainerConfig(compute_dtype=dtype))
         out[mode, dtype] = torch.tensor([x for row in trainer.logprobs(seqs) for x in row])
     native_bf16, emulated, fp32 = out["native", "bfloat16"], out["emulated", "bfloat16"], out["native", "float32"]
     bf16_noise = (native_bf16 - fp32).abs().mean().item()
