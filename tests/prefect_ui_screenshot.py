@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.prefect_server import QUIET_ENV, free_port, wait_for  # noqa: E402
+from tests.prefect_server import QUIET_ENV, free_port, stop_process, wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -190,12 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             if server is not None:
-                server.terminate()
-                try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait(timeout=10)
+                stop_process(server)
 
 
 if __name__ == "__main__":
