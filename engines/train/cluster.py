@@ -40,6 +40,9 @@ class _NoThreadSigtermWarning(logging.Filter):
         return "SIGTERM handler is not set" not in record.getMessage()
 
 
+_NO_THREAD_SIGTERM_WARNING = _NoThreadSigtermWarning()
+
+
 @contextlib.contextmanager
 def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
     """Connect to RAY_ADDRESS if set, else start a loopback-only local cluster; shut down what we started."""
@@ -51,9 +54,7 @@ def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
     if ray.is_initialized():
         yield {"address": "existing", "started": False}
         return
-    ray_worker_log = logging.getLogger("ray._private.worker")
-    if not any(isinstance(f, _NoThreadSigtermWarning) for f in ray_worker_log.filters):
-        ray_worker_log.addFilter(_NoThreadSigtermWarning())
+    logging.getLogger("ray._private.worker").addFilter(_NO_THREAD_SIGTERM_WARNING)  # adding it again is a no-op
     if address:
         ray.init(address=address, namespace="v4rl", log_to_driver=True)
         started = False
