@@ -5,7 +5,7 @@ over at step 1).
 
     kept_after_interrupt(Path("runs/grpo"))
     # 'kept: checkpoint step 10 in runs/grpo/checkpoints, metrics of steps 1-12, evaluations of steps [0, 10];
-    #  a rerun of the same command resumes at step 11 (the 2 metric rows past step 10 are dropped and trained again)'
+    #  a rerun of the same command resumes at step 11 and trains again what came after step 10 (dropping 2 metric rows)'
 """
 
 from __future__ import annotations
@@ -31,5 +31,5 @@ def kept_after_interrupt(run_dir: Path) -> str:
         return (f"kept: no checkpoint yet in {run_dir / 'checkpoints'} ({kept}); a rerun of the same command starts "
                 "over at step 1" + (f" and drops the {redone}" if past or past_evals else ""))
     return (f"kept: checkpoint step {checkpoint} in {run_dir / 'checkpoints'}, {kept}; a rerun of the same command "
-            f"resumes at step {checkpoint + 1}" + (f" (the {redone} past step {checkpoint} are dropped and trained "
-                                                  "again)" if past or past_evals else ""))
+            f"resumes at step {checkpoint + 1}" + (f" and trains again what came after step {checkpoint} (dropping "
+                                                  f"{redone})" if past or past_evals else ""))

@@ -41,9 +41,11 @@ _HELD_LOCK = threading.Lock()
 
 def _command() -> str:
     try:  # what the user typed, as ps shows it; sys.argv loses the interpreter and `-m`
-        return Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        text = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return " ".join([sys.executable, *sys.argv])
+        text = " ".join([sys.executable, *sys.argv])
+    text = " ".join(text.split())  # one line in the refusal, whatever `python -c` was given
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _holder(text: str) -> str:
