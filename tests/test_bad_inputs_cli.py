@@ -99,7 +99,6 @@ CLI_CASES = {
     "demo workdir file": ("demo --workdir {B}/afile", 1, "--workdir {B}/afile is a file"),
     "demo zero steps": ("demo --workdir {B}/demo --steps 0", 1,
                         "--steps 0: Input should be greater than or equal to 1"),
-    "train zero save interval": ("train --out {B}/run --save-interval 0", 2, "--save-interval"),
 }
 
 

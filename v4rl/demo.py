@@ -132,7 +132,7 @@ def _say_interrupted(console: Console, run_dir: Path, home: Path | None) -> None
 
     where = f"the demo's Prefect server (PREFECT_HOME={home})" if home else os.environ.get("PREFECT_API_URL")
     console.print(f"\n[yellow]interrupted[/]: the rl-pipeline flow run is marked Crashed in {where}; "
-                  f"{kept_after_interrupt(run_dir)}")
+                  f"{kept_after_interrupt(run_dir)}", soft_wrap=True)  # one line: paths paste whole
 
 
 def pass_at_k_lines(run_dir: Path) -> list[str]:
