@@ -52,7 +52,8 @@ def test_over_long_requests_are_refused_with_sglangs_400(served):
         "Requested token count exceeds the model's maximum context length of 80 tokens. You requested a total of "
         "81 tokens: 31 tokens from the input messages and 50 tokens for the completion. Please reduce the number "
         "of tokens in the input messages or the completion to fit within the limit.")}}
-    r = _post(server, {"input_ids": [PROMPT, PROMPT], "sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 50}]})
+    r = _post(server, {"input_ids": [PROMPT, PROMPT],
+                       "sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 50}]})
     assert r.status_code == 400 and "a total of 81 tokens" in r.json()["error"]["message"]  # the whole batch
     r = _post(server, {"input_ids": PROMPT + [5] * 49})  # the prompt alone fills the context
     assert r.status_code == 400 and r.json() == {"error": {"message": (
@@ -156,7 +157,8 @@ def test_stream_sends_cumulative_chunks_then_done(served):
         ids, meta = chunk["output_ids"], chunk["meta_info"]
         assert len(ids) > seen and ids == whole["output_ids"][:len(ids)] and "index" not in chunk
         assert meta["finish_reason"] is None and "e2e_latency" not in meta and meta["completion_tokens"] == len(ids)
-        assert chunk["text"] == tokenizer.decode(ids, skip_special_tokens=True) and len(meta["output_token_logprobs"]) == len(ids)
+        assert chunk["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+        assert len(meta["output_token_logprobs"]) == len(ids)
         seen = len(ids)
 
 
@@ -171,7 +173,8 @@ def test_stream_batches_carry_index_and_honour_stream_interval(served):
         by_index.setdefault(chunk["index"], []).append(chunk)
     assert sorted(by_index) == [0, 1, 2, 3]
     for i, chunks in by_index.items():
-        assert chunks[-1]["meta_info"]["id"] == f"s_{i}" and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        final = chunks[-1]["meta_info"]
+        assert final["id"] == f"s_{i}" and final["finish_reason"]["type"] == "length"
         counts = [len(c["output_ids"]) for c in chunks[:-1]]
         assert all(b - a >= 10 for a, b in zip(counts, counts[1:])), counts  # first token at once, then every 10
 
