@@ -93,16 +93,16 @@ def test_ctrl_c_during_train_says_what_was_kept_a_second_run_is_refused_and_the_
         assert time.monotonic() - started < 30, "the second run was not refused at once"
         assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr
         lines = second.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"is in use by PID {first.proc.pid} (" in lines[0] and "v4rl.cli train" in lines[0], \
-            lines
+        assert len(lines) == 1 and f"is in use by PID {first.proc.pid} (" in lines[0], lines
+        assert "v4rl.cli train" in lines[0], lines
         assert "step 1:" not in second.stdout  # nothing trained
         took = first.ctrl_c(within=60)
     finally:
         first.kill()
     text = first.output()
     assert first.proc.returncode == 130 and "Traceback" not in text, text
-    kept = re.search(r"interrupted: kept: checkpoint step (\d+) in \S+, .*?; a rerun of the same command resumes at step "
-                     r"(\d+)", text)
+    kept = re.search(r"interrupted: kept: checkpoint step (\d+) in \S+, .*?; a rerun of the same command "
+                     r"resumes at step (\d+)", text)
     assert kept, text
     assert int(kept[1]) == latest_step(out / "checkpoints") and int(kept[2]) == int(kept[1]) + 1, text
     assert took < 30, took

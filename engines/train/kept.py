@@ -26,7 +26,8 @@ def kept_after_interrupt(run_dir: Path) -> str:
     kept = f"{metrics}, evaluations of steps {evals}" if evals else metrics
     past = [s for s in steps if s > checkpoint]
     past_evals = [s for s in evals if s > checkpoint]
-    redone = f"{len(past)} metric row{'s' if len(past) != 1 else ''}" + (f" and the evaluations of steps {past_evals}" if past_evals else "")
+    redone = f"{len(past)} metric row{'s' if len(past) != 1 else ''}"
+    redone += f" and the evaluations of steps {past_evals}" if past_evals else ""
     if not checkpoint:
         return (f"kept: no checkpoint yet in {run_dir / 'checkpoints'} ({kept}); a rerun of the same command starts "
                 "over at step 1" + (f" and drops the {redone}" if past or past_evals else ""))
