@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-LOCK_NAME = ".v4rl-lock"
+from engines.artifact_store.paths import RUN_LOCK
+
+LOCK_NAME = RUN_LOCK  # the artifact upload skips it by this name
 """A dot file: the artifact upload skips it (engines/artifact_store/paths.py walk_run_dir)."""
 
 
