@@ -95,7 +95,8 @@ class WeightUpdateGroups:
             return False, problem
         # the broadcast is already on its way from rank 0: receive it before refusing anything about its content,
         # or the trainer blocks in its send
-        named = receive_bucket(group, {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes})
+        named = [(name, _fp8_from_bytes(name, t)) for name, t in
+                 receive_bucket(group, {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes})]
         try:
             for _ in pair_units(named):
                 pass
@@ -129,6 +130,12 @@ class WeightUpdateGroups:
     def close(self) -> None:
         for name in list(self.groups):
             self.destroy(name)
+
+
+def _fp8_from_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
+    """gloo has no float8 type ("Invalid scalar type"), so a CPU trainer sends E4M3 weights as their bytes,
+    announced as uint8: a uint8 `.weight` is read back as float8_e4m3fn (UE8M0 scales are accepted as uint8)."""
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 and name.endswith(".weight") else t
 
 
 def _announcement_problem(body: control.UpdateWeightsFromDistributed) -> str | None:
