@@ -31,8 +31,9 @@ from engines.train.stopping import StopRequest, TrainingStopped
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
+from engines import TINY_BASE
 
-DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
+DEFAULT_BASE = TINY_BASE
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
