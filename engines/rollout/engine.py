@@ -135,8 +135,7 @@ class RolloutEngine:
         """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
         self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
-        self._memory = memory.MemoryRegions()
-        """Regions released by /release_memory_occupation (memory.py); requests wait while one holds."""
+        self._memory = memory.MemoryRegions()  # released regions (memory.py); requests wait while one holds
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
         self._deferred: deque[_Command] = deque()
@@ -262,11 +261,8 @@ class RolloutEngine:
 
     def release_memory_occupation(self, tags: Sequence[str] | None, *, free_weights: bool) -> int:
         """SGLang's memory release (memory.py): refused unless idle; returns the bytes freed."""
-        def release() -> int:
-            if self._running:
-                raise memory.MemoryOccupationError(memory.NOT_IDLE)
-            return self._memory.release(memory.normalize_tags(tags), self.model, self._prefix, free_weights)
-        return self._call(release).result()
+        return self._call(lambda: self._memory.release(memory.normalize_tags(tags), self.model, self._prefix,
+                                                       free_weights, busy=bool(self._running))).result()
 
     def resume_memory_occupation(self, tags: Sequence[str] | None) -> None:
         self._call(lambda: self._memory.resume(memory.normalize_tags(tags), self.model, self._rebuild)).result()

@@ -72,8 +72,10 @@ class MemoryRegions:
     def weights_freed(self) -> bool:
         return self._layout is not None
 
-    def release(self, tags: list[str], model: DeepseekV4, prefix_cache, free_weights: bool) -> int:
-        """Release `tags` (the engine checked it is idle); returns the bytes freed."""
+    def release(self, tags: list[str], model: DeepseekV4, prefix_cache, free_weights: bool, *, busy: bool) -> int:
+        """Release `tags` unless requests hold KV (`busy`); returns the bytes freed."""
+        if busy:
+            raise MemoryOccupationError(NOT_IDLE)
         freed = 0
         if KV_CACHE in tags:
             prefix_cache.clear()
