@@ -37,7 +37,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -356,10 +356,22 @@ def read_stored_tensors(ckpt_dir: str | Path, *, fp8_block: tuple[int, ...] = FP
     No completeness check: callers holding the full spec list run `_check_state` (read_raw_tensors does).
     """
     ckpt_dir = Path(ckpt_dir)
+    source, by_file = _shard_listing(ckpt_dir)
+    out, files, _ = pair_stored_tensors(_iter_tensors(ckpt_dir, by_file), fp8_block=fp8_block, specs=specs,
+                                        where=str(ckpt_dir))
+    return str(source), out, files
+
+
+def pair_stored_tensors(items: Iterable[tuple[str, str, torch.Tensor]], *, fp8_block: tuple[int, ...] = FP8_BLOCK,
+                        specs: dict[str, ParamSpec] | None = None, where: str = "the update", partial: bool = False
+                        ) -> tuple[dict[str, RawTensor], dict[str, str], list[tuple[str, str, torch.Tensor]]]:
+    """(file or source, stored name, tensor) items -> native name -> tensor as stored, each quantized weight paired
+    with its scale and checked; also native name -> source, and, with `partial`, the items whose partner (weight
+    or scale) is not among them (a weight broadcast may send a weight and its scale in different buckets)."""
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
-    source, by_file = _shard_listing(ckpt_dir)
-    for file, disk_name, tensor in _iter_tensors(ckpt_dir, by_file):
+    disk_names: dict[tuple[str, bool], str] = {}
+    for file, disk_name, tensor in items:
         native, is_scale = _native_name(disk_name, file)
         if native is None:
             continue
@@ -368,13 +380,18 @@ def read_stored_tensors(ckpt_dir: str | Path, *, fp8_block: tuple[int, ...] = FP
             raise CheckpointError(f"{file}: tensor {disk_name!r} duplicates {native!r} already read from "
                                   f"{table[native][0]}; remove the stale shard or fix the index")
         table[native] = (file, tensor)
+        disk_names[native, is_scale] = disk_name
 
-    for native, (file, _) in scales.items():
+    leftover: list[tuple[str, str, torch.Tensor]] = []
+    for native, (file, tensor) in list(scales.items()):
         if native not in weights:
-            raise CheckpointError(f"{file}: scale for {native!r} has no weight tensor anywhere in {ckpt_dir}; "
-                                  "the checkpoint is incomplete: re-download or re-export it")
+            if not partial:
+                raise CheckpointError(f"{file}: scale for {native!r} has no weight tensor anywhere in {where}; "
+                                      "the checkpoint is incomplete: re-download or re-export it")
+            leftover.append((file, disk_names[native, True], tensor))
+            del scales[native]
     out: dict[str, RawTensor] = {}
-    for native, (file, tensor) in weights.items():
+    for native, (file, tensor) in list(weights.items()):
         spec = (specs or {}).get(native)
         scale = scales.get(native)
         if (spec is not None and spec.kind == "int64") or native.endswith("tid2eid"):
@@ -382,8 +399,12 @@ def read_stored_tensors(ckpt_dir: str | Path, *, fp8_block: tuple[int, ...] = FP
                 raise CheckpointError(f"{file}: tensor {native!r} must be an integer table; got {tensor.dtype}")
             out[native] = tensor.to(torch.int64)
             continue
+        if partial and scale is None and (tensor.dtype == torch.float8_e4m3fn or tensor.dtype in _FP4_DTYPES):
+            leftover.append((file, disk_names[native, False], tensor))
+            del weights[native]
+            continue
         out[native] = _pair(native, file, tensor, scale, fp8_block)
-    return str(source), out, {n: f for n, (f, _) in weights.items()}
+    return out, {n: f for n, (f, _) in weights.items()}, leftover
 
 
 def _read_checkpoint(ckpt_dir: Path) -> tuple[ModelConfig, dict[str, RawTensor]]:

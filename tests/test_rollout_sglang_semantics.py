@@ -227,7 +227,7 @@ def test_b17_distributed_updates_only_inside_a_session(served):
     assert OUTSIDE_SESSION.startswith("update_weights_from_distributed must run between")
     client.begin_weight_update()
     try:
-        with pytest.raises(SGLangHTTPError, match="NCCL/RCCL"):
+        with pytest.raises(SGLangHTTPError, match="call `init_weights_update_group` first"):
             client.update_weights_from_distributed(names=["x"], dtypes=["bfloat16"], shapes=[[1]])
     finally:
         client.end_weight_update()

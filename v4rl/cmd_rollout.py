@@ -25,6 +25,9 @@ def register(app: typer.Typer) -> None:
         max_running_requests: int = typer.Option(1024, help="Requests decoded together at most."),
         weight_version: str = typer.Option("default", help="Initial weight_version reported in responses."),
         rocm_fnuz: bool = typer.Option(False, help="ROCm engine profile: FP8 runtime path through e4m3fnuz."),
+        enable_memory_saver: bool = typer.Option(
+            False, help="SGLang's --enable-memory-saver: /release_memory_occupation frees the runtime weight copies "
+                        "(Miles' --offload-rollout expects it on)."),
     ) -> None:
         """Serve SGLang's native HTTP API (/generate, pause/continue, weight updates) on the embedded engine."""
         # Before torch loads: libgomp's default spin-wait slows a loaded CPU box ~10x (engines/rollout/server.py).
@@ -46,5 +49,5 @@ def register(app: typer.Typer) -> None:
         except (CheckpointError, ValueError, OSError) as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1)
-        serve(model, host=host, port=port, api_key=api_key, engine=engine,
+        serve(model, host=host, port=port, api_key=api_key, engine=engine, enable_memory_saver=enable_memory_saver,
               on_ready=lambda url: typer.echo(f"serving {model} on {url} (SGLang native API)"))

@@ -138,6 +138,10 @@ class FusedModel:
             self._stamp = stamp
         return self._plans
 
+    def drop_packed_weights(self) -> None:
+        """Free the packed copies of the weights (a memory release); the next forward packs them again."""
+        self._plans, self._head, self._stamp = [], None, None
+
     # ------------------------------------------------------------------ forward
     def decode(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row (as decode_torch)."""

@@ -101,6 +101,12 @@ class UpdateWeightsFromDistributed(_Body):
     torch_empty_cache: bool = False
 
 
+class MemoryOccupation(_Body):
+    """Release/ResumeMemoryOccupationReqInput: tags among kv_cache, weights, cuda_graph; null or [] = all."""
+
+    tags: list[str] | None = None
+
+
 class UpdateWeightsFromTensor(_Body):
     serialized_named_tensors: list[str]
     """One base64 payload per TP rank (CUDA-IPC handles on GPUs)."""

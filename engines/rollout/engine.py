@@ -58,6 +58,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     UpdateResult,
     weight_version_spans,
 )
+from engines.rollout import memory
 from engines.rollout.limits import check_request_length, output_cap, scheduler_refusal
 from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
@@ -134,6 +135,7 @@ class RolloutEngine:
         """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
         self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
+        self._memory = memory.MemoryRegions()  # released regions (memory.py); requests wait while one holds
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
         self._deferred: deque[_Command] = deque()
@@ -208,20 +210,28 @@ class RolloutEngine:
             cfg, tensors = read_weight_dir(path, fp8_block=self.store.fp8_block)  # off the scheduler thread
         except (OSError, ValueError) as exc:
             return UpdateResult(False, f"cannot read weights from {path}: {exc}")
+        return self.update_weights_from_tensors(tensors, source=str(path), cfg=cfg, weight_version=weight_version,
+                                                abort_all_requests=abort_all_requests, keep_pause=keep_pause,
+                                                timeout=timeout)
+
+    def update_weights_from_tensors(self, tensors: Mapping[str, RawTensor], *, source: str, cfg=None,
+                                    weight_version: str | None = None, abort_all_requests: bool = False,
+                                    keep_pause: bool = False, timeout: float | None = None) -> UpdateResult:
+        """The disk update's path for tensors already in memory (native names, stored form: a broadcast bucket)."""
         num_aborted = self.abort(abort_all=True) if abort_all_requests else 0
 
         def apply() -> UpdateResult:
-            update = self.store.check_update(tensors, source=str(path), cfg=cfg)
+            update = self.store.check_update(tensors, source=source, cfg=cfg)
             if self._session is not None:
                 self._session.update(update)
                 if weight_version is not None:
                     self._session_version = str(weight_version)
-                return UpdateResult(True, f"Staged {len(update)} tensors from {path}; they take effect at "
+                return UpdateResult(True, f"Staged {len(update)} tensors from {source}; they take effect at "
                                           "/end_weight_update.", num_aborted)
             self._commit(update, weight_version)
             if not keep_pause:
                 self._paused = False
-            return UpdateResult(True, f"Succeeded to update model weights from {path} ({len(update)} tensors).",
+            return UpdateResult(True, f"Succeeded to update model weights from {source} ({len(update)} tensors).",
                                 num_aborted)
 
         return self._guarded(self._call(apply, when_idle=True), timeout)
@@ -249,6 +259,14 @@ class RolloutEngine:
 
         return self._guarded(self._call(end), timeout)
 
+    def release_memory_occupation(self, tags: Sequence[str] | None, *, free_weights: bool) -> int:
+        """SGLang's memory release (memory.py): refused unless idle; returns the bytes freed."""
+        return self._call(lambda: self._memory.release(memory.normalize_tags(tags), self.model, self._prefix,
+                                                       free_weights, busy=bool(self._running))).result()
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None) -> None:
+        self._call(lambda: self._memory.resume(memory.normalize_tags(tags), self.model, self._rebuild)).result()
+
     def reset_runtime_tensors(self, skip: Sequence[str] = ()) -> int:
         """Overwrite every runtime tensor a weight update rebuilds with random values (SGLang's weights_checker
         `reset_tensors`: a later update must restore them all); names containing a `skip` entry are kept."""
@@ -262,6 +280,7 @@ class RolloutEngine:
         def snapshot() -> dict[str, Any]:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_update_session": self._session is not None,
+                    "memory_released": sorted(self._memory.released),
                     "weight_version": self.weight_version, "prefix_cache_entries": len(self._prefix),
                     "stored_tensors": self.store.storage_summary(), "native_kernels": kernels.status(),
                     **self._stats}
@@ -339,7 +358,7 @@ class RolloutEngine:
 
     @property
     def _schedulable(self) -> bool:
-        return not self._paused and self._session is None
+        return not self._paused and self._session is None and not self._memory.holds_requests
 
     @staticmethod
     def _run(c: _Command) -> None:
@@ -547,11 +566,15 @@ class RolloutEngine:
     def _commit(self, update: Mapping[str, RawTensor], version: str | None) -> None:
         """Apply stored tensors, rebuild every runtime copy, drop KV computed with the old weights."""
         self.store.apply(update)
-        rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz, fault=self.config.fault)
+        if not self._memory.weights_freed:  # released weights are rebuilt from the store at resume
+            self._rebuild()
         self._prefix.clear()
         self._stats["weight_updates"] += 1
         if version is not None:
             self._set_version(str(version))
+
+    def _rebuild(self) -> None:
+        rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz, fault=self.config.fault)
 
     def _set_version(self, version: str) -> None:
         """Switch the weight version, noting it on every request that already has output (its spans)."""

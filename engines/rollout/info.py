@@ -27,7 +27,8 @@ ARCHITECTURES = ["DeepseekV4ForCausalLM"]
 class ServingState:
     """The server's identity: startup arguments, and the model path a weight update moved it to."""
 
-    def __init__(self, engine: RolloutEngine, *, host: str | None = None, port: int | None = None) -> None:
+    def __init__(self, engine: RolloutEngine, *, host: str | None = None, port: int | None = None,
+                 enable_memory_saver: bool = False) -> None:
         self.engine = engine
         self.model_path = self.served_model_name = str(engine.model_dir)
         self.load_format = "auto"
@@ -41,7 +42,12 @@ class ServingState:
             "tp_size": 1, "dp_size": 1, "attn_dp_size": 1, "ep_size": 1, "pp_size": 1,
             "weight_version": cfg.weight_version, "reasoning_parser": None, "tool_call_parser": None,
             "disaggregation_mode": "null", "incremental_streaming_output": False, "enable_metrics": False,
-            "trust_remote_code": False}
+            "trust_remote_code": False, "enable_memory_saver": enable_memory_saver,
+            # one engine process on one device (the host CPU): SGLang's single-node, single-GPU values, which
+            # Miles' external-engine check (`SGLangEngine._init_external`) compares with what it computed
+            "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0, "dist_init_addr": None,
+            "enable_return_routed_experts": False, "enable_return_indexer_topk": False,
+            "enable_weights_cpu_backup": enable_memory_saver}
 
     def moved_to(self, model_path: str, load_format: str | None) -> None:
         """A disk update succeeded: the server now answers under the new path (SGLang's reading)."""

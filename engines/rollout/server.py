@@ -15,8 +15,10 @@ Routes (bodies, defaults and replies as SGLang's `entrypoints/http_server.py`; r
   GET|POST /flush_cache?timeout=S   waits up to S seconds for idle, then flushes (400 if still busy)
   POST /update_weights_from_disk, /begin_weight_update, /end_weight_update, /update_weight_version
   GET|POST /weights_checker         actions snapshot | reset_tensors | compare | checksum
-  /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-  /update_weights_from_tensor       validated as SGLang does, then 400: NCCL/RCCL and CUDA IPC need GPUs
+  /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+                                    SGLang's broadcast update over a gloo group (distributed_update.py)
+  GET|POST /release_memory_occupation, /resume_memory_occupation {"tags"}   memory.py (what a CPU engine frees)
+  /update_weights_from_tensor       validated as SGLang does, then 400: CUDA IPC needs GPUs
 Control bodies are required where SGLang requires them (`control.py`): an empty body is a 400 in SGLang's
 validation shape. Weight endpoints answer `{"success", "message"}`, HTTP 400 on failure. With an API key,
 every route but /health*, /ready and /metrics needs `Authorization: Bearer <key>` (scheme case-insensitive,
@@ -64,7 +66,9 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.rollout import control
 from engines.rollout.engine import EngineStopped, RolloutEngine
+from engines.rollout.distributed_update import WeightUpdateGroups
 from engines.rollout.health import HealthProbe
+from engines.rollout.memory import MemoryOccupationError
 from engines.rollout.info import ServingState
 from engines.rollout.limits import http_status_of
 from engines.rollout.protocol import RequestError, build_response, parse_generate
@@ -72,8 +76,8 @@ from engines.rollout.streaming import stream_generate
 from engines.rollout.weights_checker import WeightsChecker
 
 log = logging.getLogger("v4rl.rollout")
-DISTRIBUTED_UNSUPPORTED = ("the embedded v4rl engine has no NCCL/RCCL or CUDA-IPC weight sync; on GPU clusters use "
-                           "real SGLang (engines/rollout/launcher.py), here use /update_weights_from_disk")
+DISTRIBUTED_UNSUPPORTED = ("the embedded v4rl engine has no CUDA-IPC weight sync (/update_weights_from_tensor); use "
+                           "/update_weights_from_distributed (a gloo group) or /update_weights_from_disk")
 OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
                    "end_weight_update()")
 """SGLang 0.5.23's refusal of a distributed update outside a session (scheduler_components/weight_updater.py)."""
@@ -102,6 +106,7 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
     state = ServingState(engine, **(server_args or {}))
     probe = HealthProbe(engine)
     checker = WeightsChecker(engine)
+    update_groups = WeightUpdateGroups(engine)
 
     if api_key:
         @app.middleware("http")
@@ -237,6 +242,10 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
 
     @app.post("/end_weight_update")
     async def end_weight_update(body: control.EndWeightUpdate = Body()) -> JSONResponse:
+        unpaired = update_groups.unpaired()
+        if unpaired:
+            await run_in_threadpool(engine.end_weight_update)  # the session closes; the last complete state holds
+            return _result(False, unpaired)
         res = await run_in_threadpool(engine.end_weight_update)
         return _result(res.success, res.message)
 
@@ -254,16 +263,34 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: control.InitWeightsUpdateGroup = Body()) -> JSONResponse:
-        return _result(False, DISTRIBUTED_UNSUPPORTED)
+        return _result(*await run_in_threadpool(update_groups.init, body))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: control.DestroyWeightsUpdateGroup = Body()) -> JSONResponse:
-        return _result(False, DISTRIBUTED_UNSUPPORTED)
+        return _result(*await run_in_threadpool(update_groups.destroy, body.group_name))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: control.UpdateWeightsFromDistributed = Body()) -> JSONResponse:
-        in_session = (await run_in_threadpool(engine.status))["weight_update_session"]
-        return _result(False, DISTRIBUTED_UNSUPPORTED if in_session else OUTSIDE_SESSION)
+        if not (await run_in_threadpool(engine.status))["weight_update_session"]:
+            return _result(False, OUTSIDE_SESSION)
+        return _result(*await run_in_threadpool(update_groups.receive_bucket, body))
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(body: control.MemoryOccupation = Body()) -> Response:
+        try:
+            await run_in_threadpool(lambda: engine.release_memory_occupation(
+                body.tags, free_weights=state.startup_args["enable_memory_saver"]))
+        except MemoryOccupationError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(body: control.MemoryOccupation = Body()) -> Response:
+        try:
+            await run_in_threadpool(engine.resume_memory_occupation, body.tags)
+        except MemoryOccupationError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        return JSONResponse(None)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: control.UpdateWeightsFromTensor = Body()) -> JSONResponse:
@@ -306,11 +333,12 @@ class RolloutServer:
     """Serve an engine from a background thread on host:port (0 = a free port); stop() ends both."""
 
     def __init__(self, engine: RolloutEngine, *, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, enable_memory_saver: bool = False) -> None:
         self.engine = engine
         self._sock = bind_socket(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
-        self._server = _uvicorn(create_app(engine, api_key=api_key, server_args={"host": host, "port": self.port}))
+        self._server = _uvicorn(create_app(engine, api_key=api_key, server_args={
+            "host": host, "port": self.port, "enable_memory_saver": enable_memory_saver}))
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[self._sock])),
                                         name="rollout-http", daemon=True)
 
@@ -342,14 +370,16 @@ class RolloutServer:
 
 
 def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-          engine: RolloutEngine | None = None, on_ready: Callable[[str], None] | None = None) -> None:
+          engine: RolloutEngine | None = None, on_ready: Callable[[str], None] | None = None,
+          enable_memory_saver: bool = False) -> None:
     """Blocking: load the engine, serve until SIGINT/SIGTERM, then stop the engine."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach the port can update the weights", host)
     engine = engine or RolloutEngine(model_dir)
     sock = bind_socket(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = _uvicorn(create_app(engine, api_key=api_key, server_args={"host": host, "port": sock.getsockname()[1]}))
+    server = _uvicorn(create_app(engine, api_key=api_key, server_args={
+        "host": host, "port": sock.getsockname()[1], "enable_memory_saver": enable_memory_saver}))
     if on_ready is not None:
         threading.Thread(target=_notify_when_started, args=(server, url, on_ready), daemon=True).start()
     try:
