@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from engines import TINY_BASE
 
-ASSET = Path(__file__).resolve().parent.parent / "tests" / "assets" / "tiny-base"
+ASSET = TINY_BASE
 QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1", "RAY_USAGE_STATS_ENABLED": "0",
              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

@@ -31,8 +31,9 @@ from engines.train.stopping import StopRequest, TrainingStopped
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
+from engines import TINY_BASE
 
-DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
+DEFAULT_BASE = TINY_BASE
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
@@ -331,7 +332,7 @@ def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
     engine refuses an update in another expert format, and so does SGLang (conformance C10).
 
     Why fp8 by default: the cluster path serves FP8 experts (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage, as
-    the seed and Miles' launchers) and the README's 100-step table was measured this way. With the trainer's
+    the seed and Miles' launchers) and the 100-step table in docs/results.md was measured this way. With the trainer's
     quantization-aware forward in the same format, FP4 does as well over the first steps (measured 2026-12-01,
     `v4rl train --steps 4 --prompts-per-step 32 --no-ray`, lr 1e-4, loaded machine: mean |Δlogprob| fp4 0.0046,
     fp8 0.0056; reward 0.246 -> 0.375 vs 0.246 -> 0.359). Without that forward FP4 is far worse: a UE8M0 1x32
