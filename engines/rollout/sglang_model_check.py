@@ -46,9 +46,9 @@ class Mode:
     at load (0)."""
     ue8m0: bool = False
     """DeepGEMM on an sm100 GPU: dense FP8 block scales requantized to UE8M0 and packed after each load."""
-    experts: Literal["fp4", "fp8"] | None = "fp4"
-    """The routed experts' storage (SGLANG_DSV4_FP4_EXPERTS 1 | 0) and so the format of the case's checkpoint;
-    None: the variable left unset (SGLang detects it; the checkpoint is FP4, DeepSeek-V4's release format)."""
+    experts: Literal["fp4", "fp8"] | None = None
+    """The routed experts' storage SGLang is told (SGLANG_DSV4_FP4_EXPERTS 1 | 0); None leaves the variable unset,
+    and SGLang detects the format from the checkpoint (a preflight's start checkpoint is then FP4, the release's)."""
     env: tuple[tuple[str, str], ...] = ()
     """More SGLANG_* variables of this mode (a job's own environment); wo_a_gemm and experts win over them."""
 
@@ -74,9 +74,8 @@ class Mode:
 
     def setting(self) -> str:
         parts = [f"{k}={v}" for k, v in self.environment().items()]
-        if self.experts is None:
-            parts.append(f"{FP4_EXPERTS_VAR} unset (detected from the checkpoint)")
-        parts.append(f"{self.checkpoint_experts.upper()} experts")
+        parts.append(f"{self.experts.upper()} experts" if self.experts else
+                     f"{FP4_EXPERTS_VAR} unset (SGLang detects the experts' format from the checkpoint)")
         if self.ue8m0:
             parts.append("DeepGEMM UE8M0 scales (sm100)")
         return ", ".join(parts)

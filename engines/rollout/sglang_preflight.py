@@ -59,7 +59,8 @@ def check(preset: str, overrides: dict[str, Any], sglang_dir: str, *, update_kin
     eff, _ = resolve(preset, overrides)
     env, whose = job_sglang_env(eff)
     run = Mode.from_env("run", env)
-    others = [Mode("wo_a-bf16"), Mode("wo_a-fp8", wo_a_gemm=True), Mode("ue8m0", ue8m0=True)]
+    others = [Mode("wo_a-bf16", experts="fp4"), Mode("wo_a-fp8", wo_a_gemm=True, experts="fp4"),
+              Mode("ue8m0", ue8m0=True, experts="fp4")]
     with tempfile.TemporaryDirectory(prefix="v4rl-sglang-model-") as tmp:
         root = workdir or Path(tmp)
         # the run's start checkpoint in the job's expert format; the fp8 wo_a GEMM needs o_lora_rank % 128 == 0
