@@ -13,6 +13,8 @@ on CPU in a subprocess (never imported by v4rl's library code, never copied into
 
 `engine_python` runs code in a subprocess with those trees on `sys.path` and the GPU-only imports stubbed
 (engines/engine_stubs.py). Everything that is missing raises `EngineSourceMissing` saying what to set.
+`engine_error` turns a failed run's output into the engine's own last error lines (argparse's `prog: error: ...`,
+the assertion or exception text), one line, never a traceback: what every probe's caller reports.
 
     from engines.engine_sources import engine_python, miles_tree, sglang_paths
     done = engine_python("import sglang.srt.server_args as s; print(s.ServerArgs.__name__)", sglang_paths())
@@ -364,6 +366,46 @@ def engine_python(code: str, paths: Sequence[str | Path], *, args: Sequence[str]
     except subprocess.TimeoutExpired as exc:
         raise TimeoutError(f"engine code did not finish within {timeout:.0f}s (paths {list(map(str, paths))})") from exc
     if check and done.returncode != 0:
-        tail = "\n".join((done.stderr or "").strip().splitlines()[-25:])
-        raise RuntimeError(f"engine code exited with {done.returncode}:\n{tail}")
+        raise RuntimeError(f"engine code exited with {done.returncode}: {engine_error(done.stderr, done.stdout)}")
     return done
+
+
+_ERROR_LINE = re.compile(r"^(?:[\w.\-]+: error: \S.*"  # argparse: `train.py: error: unrecognized arguments: ...`
+                         r"|Error: \S.*"  # click/typer: `Error: No such option: --x`
+                         r"|(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Rejected)(?::.*)?)$")
+"""A line an engine ends with when it fails: argparse's and click's error line, or an exception line (the last line
+of a traceback, `AssertionError: TP must divide ...`); frames and source lines are indented and never match."""
+ERROR_LINES = 3
+ERROR_CHARS = 800
+
+
+def engine_error_lines(*texts: str | None, limit: int = ERROR_LINES) -> list[str]:
+    """The last `limit` distinct error lines of an engine's output (stderr, stdout, a caught exception's text)."""
+    found: list[str] = []
+    for text in texts:
+        for line in (text or "").splitlines():
+            line = line.rstrip()
+            if _ERROR_LINE.match(line) and line not in ("SystemExit", "SystemExit: 0"):
+                if line in found:
+                    found.remove(line)
+                found.append(line)
+    return found[-limit:]
+
+
+def engine_error(*outputs: str | None, exception: str | None = None,
+                 fallback: str = "it printed no error line") -> str:
+    """One line for a user: the engine's last error lines in `outputs` (a subprocess's stderr, stdout; with none,
+    their last non-empty line) and then `exception` (what a probe caught, kept whole), joined by '; '.
+    `SystemExit: 2` after argparse's own message is dropped (it says nothing more)."""
+    lines = engine_error_lines(*outputs)
+    if not lines:
+        last = [x.strip() for t in outputs for x in (t or "").splitlines() if x.strip()]
+        lines = last[-1:]
+    if exception and exception.strip():
+        caught = " ".join(exception.split())
+        lines = [x for x in lines if x != caught and not caught.startswith(x)][-(ERROR_LINES - 1):] + [caught]
+    lines = lines[-ERROR_LINES:]
+    if len(lines) > 1:
+        lines = [x for x in lines if not x.startswith("SystemExit")] or lines
+    text = "; ".join(lines) or fallback
+    return text if len(text) <= ERROR_CHARS else "..." + text[-ERROR_CHARS:]

@@ -111,3 +111,33 @@ def test_a_grown_dependency_list_is_topped_up_not_reinstalled(tmp_path):
     assert engine_sources._missing_deps(tmp_path) == []
     specs = engine_sources._dep_specs(["msgspec", "openai"], {"openai": "2.8.0"})
     assert specs == [f"msgspec=={engine_sources.SGLANG_CPU_DEPS['msgspec']}", "openai==2.8.0"]
+
+
+# ------------------------------------------------------------------ the engine's own words, one line (issue 25)
+ARGPARSE_EXIT = """[model_probe] start at 0.0s
+usage: train.py [-h] [--num-layers NUM_LAYERS]
+train.py: error: unrecognized arguments: --dsv4-impl miles
+"""
+ASSERTION = """Traceback (most recent call last):
+  File "/miles/miles/utils/arguments.py", line 1700, in parse_args
+    assert args.tensor_model_parallel_size == 1, "dsv4_impl=megatron needs TP=1"
+AssertionError: dsv4_impl=megatron needs TP=1
+"""
+
+
+def test_engine_error_keeps_argparse_and_assertion_text_and_drops_the_traceback():
+    from engines.engine_sources import engine_error
+
+    assert engine_error(ARGPARSE_EXIT, exception="SystemExit: 2") == \
+        "train.py: error: unrecognized arguments: --dsv4-impl miles"
+    assert engine_error(ASSERTION) == "AssertionError: dsv4_impl=megatron needs TP=1"
+    assert engine_error("loading...\nno config.json in /x", exception="SystemExit: 1") == "no config.json in /x"
+    assert engine_error("", "") == "it printed no error line"
+
+
+def test_a_failed_engine_run_raises_one_line_with_the_engines_error():
+    with pytest.raises(RuntimeError) as err:
+        engine_python("import sys; print('usage: x', file=sys.stderr); assert False, 'planted: TP must divide 7'", [])
+    message = str(err.value)
+    assert "AssertionError: planted: TP must divide 7" in message, message
+    assert "Traceback" not in message and "\n" not in message, message

@@ -153,3 +153,27 @@ def test_plan_builds_the_job_for_the_generation_asked(monkeypatch):
     result = CliRunner().invoke(app, ["plan", "--preset", "dsv4-flash-mi355x-1node", "--miles-generation", "2",
                                       "--dsv4-impl", "megatron", "--json"])
     assert result.exit_code == 1 and "needs tensor parallel size 1" in result.output
+
+
+# ------------------------------------------------------------------- the model checks' --dsv4-impl (issue 25)
+GEN1 = __import__("engines.train.miles.generation", fromlist=["MilesGeneration"]).MilesGeneration(
+    1, "plugin", (), "deepseek_v4.py: wq_a")
+GEN2 = dataclasses.replace(GEN1, generation=2, megatron_names="megatron", dsv4_impls=("miles", "megatron"))
+
+
+def test_a_generation_1_checkout_gets_no_dsv4_impl_flag_even_with_the_presets_default():
+    from engines.train.miles.generation import dsv4_impl_args
+
+    assert SEED_RUN.miles.dsv4_impl == "miles"  # what the model-key check used to pass through to Miles
+    assert dsv4_impl_args(GEN1, SEED_RUN.miles.dsv4_impl) == [] and dsv4_impl_args(GEN1) == []
+    with pytest.raises(MilesGenerationError, match="needs Miles' second DeepSeek-V4 generation"):
+        dsv4_impl_args(GEN1, "megatron")
+
+
+def test_a_generation_2_checkout_gets_its_impl_and_megatrons_cpu_kernels():
+    from engines.train.miles.generation import dsv4_impl_args
+
+    assert dsv4_impl_args(GEN2) == ["--dsv4-impl", "miles"] == dsv4_impl_args(GEN2, "miles")
+    assert dsv4_impl_args(GEN2, "megatron") == ["--dsv4-impl", "megatron", "--dsa-kernel-backend", "none"]
+    with pytest.raises(MilesGenerationError, match="declares miles|megatron"):
+        dsv4_impl_args(GEN2, "tilelang")

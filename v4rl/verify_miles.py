@@ -62,7 +62,7 @@ def verify_with_miles(ckpt: str | Path, *, miles_dir: str | Path | None, megatro
 
     from engines.engine_sources import MILES_GENERATIONS, megatron_tree, miles_tree
     from engines.model.config import ModelConfig
-    from engines.train.miles.generation import detect_generation
+    from engines.train.miles.generation import detect_generation, dsv4_impl_args
     from engines.train.miles.model_check import (NUMERIC_STANDINS, checkpoint_keys, compare_keys, probe_argv,
                                                  run_probe, tile_kernels_mhc_reference)
 
@@ -73,8 +73,8 @@ def verify_with_miles(ckpt: str | Path, *, miles_dir: str | Path | None, megatro
     gen = detect_generation(miles_tree(miles_dir))
     miles, megatron = miles_tree(miles_dir, MILES_GENERATIONS[gen.generation][0]), \
         megatron_tree(megatron_dir, MILES_GENERATIONS[gen.generation][1])
-    impl = impl or (gen.dsv4_impls[0] if gen.dsv4_impls else None)
-    extra = ["--dsv4-impl", impl] + (["--dsa-kernel-backend", "none"] if impl == "megatron" else []) if impl else []
+    extra = dsv4_impl_args(gen, impl)  # none for generation 1, whose parser has no --dsv4-impl
+    impl = extra[1] if extra else None
     from checkpoints.torch_dist import megatron_specs
 
     n_params = sum(int(torch.Size(s.shape).numel()) for s in megatron_specs(cfg, gen.megatron_names).values())

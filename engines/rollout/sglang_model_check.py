@@ -23,9 +23,22 @@ from typing import Any, Literal
 PROBE = Path(__file__).with_name("sglang_model_probe.py")
 
 
+WO_A_GEMM_VAR = "SGLANG_OPT_FP8_WO_A_GEMM"
+FP4_EXPERTS_VAR = "SGLANG_DSV4_FP4_EXPERTS"
+"""SGLang's switch for the routed experts' storage: 1 MXFP4 (the release format), 0 FP8 (the seed's repackage);
+unset, SGLang detects it from the checkpoint (configs/model_config.py). A wrong one fails the first load."""
+
+
+def _env_bool(value: str | None, default: bool) -> bool:
+    """SGLang's EnvBool parsing (environ.py): true/1/yes/y, false/0/no/n; anything else its default."""
+    text = (value or "").strip().lower()
+    return True if text in ("true", "1", "yes", "y") else False if text in ("false", "0", "no", "n") else default
+
+
 @dataclass(frozen=True)
 class Mode:
-    """One of SGLang's post-load paths that can be selected on CPU."""
+    """One of SGLang's post-load paths that can be selected on CPU, and every SGLANG_* variable it runs with (the
+    probe clears the caller's SGLANG_* first: a shell with a job's variables exported changes nothing)."""
 
     name: str
     wo_a_gemm: bool = False
@@ -33,9 +46,36 @@ class Mode:
     at load (0)."""
     ue8m0: bool = False
     """DeepGEMM on an sm100 GPU: dense FP8 block scales requantized to UE8M0 and packed after each load."""
+    experts: Literal["fp4", "fp8"] | None = None
+    """The routed experts' storage SGLang is told (SGLANG_DSV4_FP4_EXPERTS 1 | 0); None leaves the variable unset,
+    and SGLang detects the format from the checkpoint (a preflight's start checkpoint is then FP4, the release's)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """More SGLANG_* variables of this mode (a job's own environment); wo_a_gemm and experts win over them."""
+
+    @classmethod
+    def from_env(cls, name: str, env: dict[str, str]) -> "Mode":
+        """The mode a process with these SGLANG_* variables runs in (SGLang's defaults where one is unset)."""
+        sglang = {k: v for k, v in env.items() if k.startswith("SGLANG_")}
+        experts = None if FP4_EXPERTS_VAR not in sglang else \
+            ("fp4" if _env_bool(sglang[FP4_EXPERTS_VAR], True) else "fp8")
+        return cls(name, wo_a_gemm=_env_bool(sglang.get(WO_A_GEMM_VAR), True), experts=experts,
+                   env=tuple(sorted(sglang.items())))
+
+    @property
+    def checkpoint_experts(self) -> Literal["fp4", "fp8"]:
+        return self.experts or "fp4"
+
+    def environment(self) -> dict[str, str]:
+        """Every SGLANG_* variable the probe sets for this case; no other SGLANG_* reaches SGLang."""
+        out = {WO_A_GEMM_VAR: str(int(self.wo_a_gemm))}
+        if self.experts is not None:
+            out[FP4_EXPERTS_VAR] = str(int(self.experts == "fp4"))
+        return {**out, **{k: v for k, v in self.env if k not in out}}
 
     def setting(self) -> str:
-        parts = [f"SGLANG_OPT_FP8_WO_A_GEMM={int(self.wo_a_gemm)}"]
+        parts = [f"{k}={v}" for k, v in self.environment().items()]
+        parts.append(f"{self.experts.upper()} experts" if self.experts else
+                     f"{FP4_EXPERTS_VAR} unset (SGLang detects the experts' format from the checkpoint)")
         if self.ue8m0:
             parts.append("DeepGEMM UE8M0 scales (sm100)")
         return ", ".join(parts)
@@ -147,12 +187,12 @@ def run_cases(cases: Sequence[Case], paths: Sequence[str | Path], workdir: Path,
               env: dict[str, str] | None = None) -> dict[str, CaseResult]:
     """All cases in one subprocess (SGLang imported once); name -> result. RuntimeError with the tail of the
     subprocess's output when it fails outside a case."""
-    from engines.engine_sources import engine_python
+    from engines.engine_sources import engine_error, engine_python
 
     specs = []
     for case in cases:
-        spec: dict[str, Any] = {"name": case.name, "base": str(case.base), "mode": asdict(case.mode),
-                                "dump": case.dump}
+        spec: dict[str, Any] = {"name": case.name, "base": str(case.base),
+                                "mode": {**asdict(case.mode), "env": case.mode.environment()}, "dump": case.dump}
         if case.update is not None:
             spec["update"] = {"kind": case.update.kind, "path": str(case.update.path)}
             if case.update.kind == "distributed":
@@ -165,8 +205,8 @@ def run_cases(cases: Sequence[Case], paths: Sequence[str | Path], workdir: Path,
                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}, check=False)
     line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("PROBE ")), None)
     if line is None:
-        tail = "\n".join((done.stderr or "").strip().splitlines()[-25:])
-        raise RuntimeError(f"SGLang's model probe exited with {done.returncode} before reporting:\n{tail}")
+        raise RuntimeError(f"SGLang's model probe ({paths[0]}) exited with {done.returncode} before reporting: "
+                           f"{engine_error(done.stderr, done.stdout)}")
     return {r["name"]: CaseResult(r["name"], r) for r in json.loads(line[len("PROBE "):])["cases"]}
 
 

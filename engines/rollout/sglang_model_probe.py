@@ -14,9 +14,11 @@ What it runs, per case (one JSON spec in argv[1], one `PROBE <json>` line on std
   compare      the updated model against a fresh build + first load of the update's files, parameter by parameter:
                class, shape, dtype, bytes, `format_ue8m0`, whether it still has a `weight_loader`
 
-Modes (SGLang's post-load paths that run on CPU): `wo_a_gemm` is SGLANG_OPT_FP8_WO_A_GEMM (read by
-models/deepseek_v4.py into `_FP8_WO_A_GEMM` at import; set here the same way); `ue8m0` is the DeepGEMM path of an
-sm100 GPU (dense FP8 scales requantized to UE8M0 and packed, `format_ue8m0` latched).
+Modes (SGLang's post-load paths that run on CPU): `env` holds every SGLANG_* variable of the case (the caller's own
+SGLANG_* are cleared at start, so an exported job environment changes nothing), set for the case and removed after;
+`wo_a_gemm` is SGLANG_OPT_FP8_WO_A_GEMM (read by models/deepseek_v4.py into `_FP8_WO_A_GEMM` at import; set here
+the same way); `ue8m0` is the DeepGEMM path of an sm100 GPU (dense FP8 scales requantized to UE8M0 and packed,
+`format_ue8m0` latched).
 
 Stand-ins, each changing no name, shape or value (they only answer what a CPU cannot):
   - `current_platform.get_device()` answers "cpu": SGLang asks it where to put RoPE caches; tensors land on CPU.
@@ -41,6 +43,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+for _name in [n for n in os.environ if n.startswith("SGLANG_")]:  # each case sets its own (mode["env"]), never the
+    del os.environ[_name]                                          # caller's shell's
 os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
 os.environ.setdefault("MASTER_PORT", "29641")
 
@@ -102,7 +106,9 @@ def mode(spec: dict[str, Any]):
         saved.append((obj, name, getattr(obj, name, None)))
         setattr(obj, name, value)
 
-    put(deepseek_v4, "_FP8_WO_A_GEMM", bool(spec.get("wo_a_gemm")))
+    env = dict(spec.get("env") or {})  # every SGLANG_* of the mode; SGLang reads them when it builds and loads
+    os.environ.update(env)
+    put(deepseek_v4, "_FP8_WO_A_GEMM", bool(spec.get("wo_a_gemm")))  # read once at import: set as the env says
     if spec.get("ue8m0"):
         for module in (deep_gemm_wrapper, configurer):
             put(module, "ENABLE_JIT_DEEPGEMM", True)
@@ -121,6 +127,8 @@ def mode(spec: dict[str, Any]):
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+        for name in env:
+            os.environ.pop(name, None)
 
 
 def _align(x: int, y: int) -> int:

@@ -99,6 +99,24 @@ def _declared_choices(code: str, flag: str) -> tuple[str, ...]:
     return tuple(re.findall(r"""["']([^"']+)["']""", found.group(1))) if found else ("?",)
 
 
+def dsv4_impl_args(gen: MilesGeneration, impl: str | None = None) -> list[str]:
+    """The `--dsv4-impl` flags a CPU probe of this checkout's model gets: none for generation 1 (its parser has no
+    such flag and exits 2 on one; "miles", the presets' default, is the plugin model generation 1 always runs),
+    `--dsv4-impl IMPL` (default: the parser's first choice) for generation 2, with `--dsa-kernel-backend none` for
+    "megatron" (its cuDNN kernels do not exist on CPU)."""
+    if not gen.dsv4_impls:
+        if impl in (None, "miles"):
+            return []
+        raise MilesGenerationError(f"--dsv4-impl {impl} needs Miles' second DeepSeek-V4 generation (e9e19b223 or "
+                                   f"later), but the checkout is {gen.label}, which has only the plugin model; drop "
+                                   "--dsv4-impl (dsv4_impl 'miles') or point --miles-dir at a generation-2 Miles")
+    impl = impl or gen.dsv4_impls[0]
+    if "?" not in gen.dsv4_impls and impl not in gen.dsv4_impls:
+        raise MilesGenerationError(f"--dsv4-impl {impl}: this Miles declares {'|'.join(gen.dsv4_impls)} "
+                                   f"({gen.evidence}); choose one of those")
+    return ["--dsv4-impl", impl] + (["--dsa-kernel-backend", "none"] if impl == "megatron" else [])
+
+
 def megatron_names_for(miles_dir: str | Path | None, forced: str | None = None) -> tuple[MegatronNames, str]:
     """The torch_dist names to write, and why: `forced` (plugin|megatron) wins, else the generation of the Miles
     at `miles_dir`, else `plugin` (what v4rl wrote before both generations were supported)."""

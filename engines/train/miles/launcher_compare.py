@@ -124,7 +124,7 @@ class Comparison:
 def record_launcher(miles_dir: Path, argv: list[str], env: dict[str, str], *, launcher: str = LAUNCHER,
                     run_id: str = "v4rl-compare", timeout: float = 600.0) -> dict[str, Any]:
     """Miles' launcher `argv` recorded in a subprocess (see probes/record_launcher.py for the answer's keys)."""
-    from engines.engine_sources import engine_python, launcher_cli_paths
+    from engines.engine_sources import engine_error, engine_python, launcher_cli_paths
 
     with tempfile.TemporaryDirectory(prefix="v4rl-launcher-record-") as tmp:
         request = Path(tmp) / "request.json"
@@ -136,9 +136,8 @@ def record_launcher(miles_dir: Path, argv: list[str], env: dict[str, str], *, la
     from engines.train.miles.probes.record_launcher import MARKER
 
     if MARKER not in (done.stdout or ""):
-        tail = "\n".join(((done.stderr or "") + (done.stdout or "")).strip().splitlines()[-25:])
-        raise RuntimeError(f"recording Miles' launcher {launcher} in {miles_dir} failed (exit {done.returncode}):\n"
-                           f"{tail}")
+        raise RuntimeError(f"recording Miles' launcher {launcher} in {miles_dir} failed (exit {done.returncode}): "
+                           f"{engine_error(done.stderr, done.stdout)}")
     return json.loads(done.stdout.split(MARKER, 1)[1].strip().splitlines()[0])
 
 

@@ -79,7 +79,9 @@ class ProbeResult:
         """Why the forward stage failed after keys and loads succeeded ('' when it ran)."""
         if self.raw.get("ok"):
             return ""
-        return f"{self.raw.get('stage')}: {self.raw.get('error')}\n{self.raw.get('traceback', '')[-2500:]}"
+        from engines.engine_sources import engine_error
+
+        return f"{self.raw.get('stage')}: {engine_error(self.stderr, exception=self.raw.get('error'))}"
 
 
 def probe_argv(config: Mapping[str, Any], *, hf_dir: str | Path, load_dir: str | Path, meta: bool = False,
@@ -106,7 +108,7 @@ def run_probe(request: Mapping[str, Any], *, miles_dir: str | Path | None = None
               megatron_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
               device: str = "mi355x", timeout: float = 1800.0) -> ProbeResult:
     """Run the model probe on `request` (model_probe.py's keys; `device` fills its accelerator description)."""
-    from engines.engine_sources import engine_python, megatron_tree, miles_tree, sglang_paths
+    from engines.engine_sources import engine_error, engine_python, megatron_tree, miles_tree, sglang_paths
     from engines.engine_stubs import GPU_ONLY_ROOTS
     from engines.train.miles.preflight import DEVICES, MILES_STUB_ROOTS
 
@@ -123,14 +125,14 @@ def run_probe(request: Mapping[str, Any], *, miles_dir: str | Path | None = None
 
     out = done.stdout or ""
     if MARKER not in out:
-        tail = "\n".join(((done.stderr or "") + out).strip().splitlines()[-30:])
-        raise MilesModelError(f"the Miles model probe exited {done.returncode} without an answer:\n{tail}")
+        raise MilesModelError(f"the Miles model probe exited {done.returncode} without an answer: "
+                              f"{engine_error(done.stderr, out)}")
     answer = json.loads(out.split(MARKER, 1)[1].strip().splitlines()[0])
     if not answer.get("ok") and answer.get("built_and_loaded") and str(answer.get("stage", "")).startswith("forward"):
         return ProbeResult(answer, done.stderr or "")  # keys and loads stand; forward_error says what failed
-    if not answer.get("ok"):
-        raise MilesModelError(f"Miles' model failed at stage {answer.get('stage')}: {answer.get('error')}\n"
-                              f"{answer.get('traceback', '')[-3000:]}")
+    if not answer.get("ok"):  # Miles' own words (argparse prints its error to stderr before SystemExit 2)
+        raise MilesModelError(f"Miles' model ({miles_dir or 'pinned'}) failed at stage {answer.get('stage')}: "
+                              f"{engine_error(done.stderr, exception=answer.get('error'))}")
     return ProbeResult(answer, done.stderr or "")
 
 
@@ -278,7 +280,7 @@ def check_model_keys(config: Mapping[str, Any], *, ckpt: str | Path | None = Non
     parallel split; the vocab is padded to --make-vocab-size-divisible-by x TP, reported in vocab_note)."""
     from engines.engine_sources import MILES_GENERATIONS, megatron_tree, miles_tree
     from engines.model.config import ModelConfig
-    from engines.train.miles.generation import detect_generation
+    from engines.train.miles.generation import detect_generation, dsv4_impl_args
 
     gen = detect_generation(miles_tree(miles_dir))
     pins = MILES_GENERATIONS[gen.generation]
@@ -288,8 +290,7 @@ def check_model_keys(config: Mapping[str, Any], *, ckpt: str | Path | None = Non
     else:
         expected = expected_checkpoint_keys(ModelConfig.from_hf_dict(dict(config)), gen.megatron_names)
         where = f"v4rl's converter output for this config.json ({gen.megatron_names} names)"
-    impl = impl or (gen.dsv4_impls[0] if gen.dsv4_impls else None)
-    extra = ["--dsv4-impl", impl] + (["--dsa-kernel-backend", "none"] if impl == "megatron" else []) if impl else []
+    extra = dsv4_impl_args(gen, impl)  # generation 1's parser has no --dsv4-impl (it exits 2 on one)
     with tempfile.TemporaryDirectory(prefix="v4rl-miles-keys-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(dict(config)))
         argv = probe_argv(config, hf_dir=tmp, load_dir=tmp, meta=True, generation=gen.generation, extra=extra)

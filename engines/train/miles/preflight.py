@@ -81,8 +81,8 @@ class MilesCheck:
         lines += [f"  rejected flag {f}: not an option of this Miles (v4rl builds for Miles 31f1ca961 with "
                   "Megatron-LM 2e64d788b, or e9e19b223 with 6184c094a; check out a pair or point "
                   "--miles-dir/--megatron-dir at one)" for f in self.rejected]
-        if not self.accepted and not self.rejected:
-            lines.append(f"  {self.error.strip().splitlines()[-1] if self.error.strip() else 'failed'}")
+        if not self.accepted and not self.rejected:  # error is one line already (engine_error)
+            lines.append(f"  {' '.join(self.error.split()) or 'failed'}")
         lines += [f"  {m}" for m in self.mismatches] + [f"  {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -238,10 +238,15 @@ def _local_hf_checkpoint(argv: list[str], preset: RunPreset, job: MilesJob, tmp:
 
 
 def _answer(done) -> dict[str, Any]:
+    """The probe's answer, its error one line with Miles' own last words (its stderr: argparse, asserts)."""
+    from engines.engine_sources import engine_error
     from engines.train.miles.probes.parse_args_probe import MARKER
 
     out = done.stdout or ""
     if MARKER not in out:
-        tail = "\n".join(((done.stderr or "") + out).strip().splitlines()[-25:])
-        return {"accepted": False, "rejected": [], "error": f"the Miles probe exited {done.returncode}:\n{tail}"}
-    return json.loads(out.split(MARKER, 1)[1].strip().splitlines()[0])
+        return {"accepted": False, "rejected": [], "error": f"the Miles probe exited {done.returncode} without an "
+                f"answer: {engine_error(done.stderr, out)}"}
+    answer = json.loads(out.split(MARKER, 1)[1].strip().splitlines()[0])
+    if not answer["accepted"] and not answer["rejected"]:
+        answer["error"] = engine_error(done.stderr, answer.pop("log", ""), exception=answer.get("error"))
+    return answer

@@ -95,7 +95,8 @@ def probe(request: dict) -> dict:
     except _Rejected as exc:
         return {"accepted": False, "stage": "parse", "rejected": _rejected_flags(str(exc)), "error": str(exc)}
     except SystemExit as exc:
-        return {"accepted": False, "stage": stage, "rejected": [], "error": f"exit {exc.code}: {log.getvalue()[-2000:]}"}
+        return {"accepted": False, "stage": stage, "rejected": [], "error": f"SystemExit: {exc.code}",
+                "log": log.getvalue()[-4000:]}  # what Miles printed before exiting (the caller picks its error lines)
     except Exception as exc:  # Miles/Megatron validation asserts (or an import that is not stubbed)
         stage = "validate" if stage == "parse" else stage
         return {"accepted": False, "stage": stage, "rejected": [], "error": f"{type(exc).__name__}: {exc}",
