@@ -132,7 +132,7 @@ def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(t
                                       TrainerConfig(lr=1e-4, compute_dtype="float32", quantization_aware=qat))
         samples = [Sample(p, r, [0.0] * len(r), 1.0, i // 4, advantage=1.0 if i % 2 else -1.0)
                    for i, (p, r) in enumerate(seqs)]
-        trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, use_tis=False))
+        trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, rollout_correction="none"))
         served = DeepseekV4(cfg).eval()
         served.load_state_dict(storage_round_trip(trainer.native_state(), cfg, expert_dtype="fp8"))
         want = token_logprobs(served, [{"prompt_ids": p, "response_ids": r} for p, r in seqs], vocab_size=cfg.vocab_size)
