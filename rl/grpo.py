@@ -53,7 +53,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rl.corrections import RolloutCorrection, token_truncate
+from rl.correction_setting import RolloutCorrection
+from rl.corrections import token_truncate
 
 __all__ = [
     "KL_TYPES",

@@ -149,3 +149,31 @@ def test_every_field_has_the_docstring_the_cli_and_the_flow_show() -> None:
     docs = field_docs(RolloutCorrection)
     assert set(docs) == set(RolloutCorrection.__dataclass_fields__)
     assert docs["opsm_delta"].startswith("OPSM's threshold")
+
+
+def test_cli_flags_reach_the_training_config(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import engines.train.run as run_module
+    from v4rl.cli import app
+
+    seen = []
+    monkeypatch.setattr(run_module, "run_training", lambda out, config, **kw: seen.append(config) or {"evals": []})
+    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), "--rollout-correction", "geo-mask",
+                                      "--opsm", "--opsm-delta", "0.001"])
+    assert result.exit_code == 0, result.output
+    assert seen[0].rollout_correction == RolloutCorrection(mode="geo-mask", opsm=True, opsm_delta=0.001)
+    assert seen[0].to_dict()["rollout_correction"]["mode"] == "geo-mask"  # what config.json records
+
+
+def test_cli_bad_mode_is_one_line_and_leaves_no_run_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from v4rl.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), "--rollout-correction", "tls"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "error: --rollout-correction / --opsm-delta: rollout correction mode 'tls' is not one of none, tis, icepop, "
+        "seq-is, geo-mask, seq-mask; use tis (the seed's token TIS) or none"]
+    assert not (tmp_path / "run").exists()

@@ -19,6 +19,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
 
+from rl.correction_setting import MODES, RolloutCorrection, field_docs  # noqa: E402  (pure data: no torch)
+
+_CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs(RolloutCorrection)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -88,6 +92,10 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
           lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
+          rollout_correction: str = typer.Option(_CORRECTION.mode, metavar="|".join(MODES),
+                                                 help=_CORRECTION_DOCS["mode"]),
+          opsm: bool = typer.Option(_CORRECTION.opsm, "--opsm", help=_CORRECTION_DOCS["opsm"]),
+          opsm_delta: float = typer.Option(_CORRECTION.opsm_delta, help=_CORRECTION_DOCS["opsm_delta"]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
                                                      "dropped and counted."),
@@ -114,7 +122,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                                                         "TensorBoard scalars to OUT/tensorboard/."),
           wandb: bool = typer.Option(False, "--wandb", help="Also log metrics and evals to W&B: offline under "
                                                             "OUT/wandb/ unless WANDB_MODE=online.")) -> None:
-    """GRPO + TIS on the embedded engines (rollout server over HTTP, transformers trainer), resumable."""
+    """GRPO with a rollout correction (token TIS by default) on the embedded engines (rollout server over HTTP,
+    transformers trainer), resumable."""
     from engines.run_presets import preset_name
     from v4rl import inputs
 
@@ -124,6 +133,10 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         _fail(f"--preset: {exc}")
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    try:
+        correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta)
+    except ValueError as exc:
+        _fail(f"--rollout-correction / --opsm-delta: {exc}")
     # Paths first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet
     problem = inputs.first_problem(inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
                                    inputs.data_file("--train-data", train_data),
@@ -140,7 +153,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                 metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
                                 input_key=input_key, label_key=label_key,
                                 reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
-                                rollout_expert_dtype=rollout_expert_dtype,
+                                rollout_expert_dtype=rollout_expert_dtype, rollout_correction=correction,
                                 loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                                 eval_interval=eval_interval, seed=seed,
                                                 dynamic_sampling=dynamic_sampling))

@@ -28,7 +28,7 @@ from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHun
 from engines.train.runlog import RunLog
 from engines.train.sinks import check_sink_names, open_sinks
 from engines.train.stopping import StopRequest, TrainingStopped
-from rl.corrections import RolloutCorrection
+from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
