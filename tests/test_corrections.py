@@ -177,3 +177,23 @@ def test_cli_bad_mode_is_one_line_and_leaves_no_run_directory(tmp_path):
         "error: --rollout-correction / --opsm-delta: rollout correction mode 'tls' is not one of none, tis, icepop, "
         "seq-is, geo-mask, seq-mask; use tis (the seed's token TIS) or none"]
     assert not (tmp_path / "run").exists()
+
+
+def test_flow_parameters_reach_the_trainer_and_the_miles_job():
+    from pydantic import ValidationError
+
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import _train_config
+
+    tiny = PipelineParams.preset_defaults("tiny-cpu", rollout_correction="seq-mask", opsm=True)
+    assert _train_config(tiny)["rollout_correction"] == RolloutCorrection(mode="seq-mask", opsm=True).to_dict()
+    assert tiny.training_fingerprint() != PipelineParams.preset_defaults("tiny-cpu").training_fingerprint()
+    assert PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="none").miles_overrides()[
+        "use_tis"] is False
+    assert "use_tis" not in PipelineParams.preset_defaults("dsv4-flash-mi355x").miles_overrides()
+    with pytest.raises(ValidationError, match="runs in the embedded tiny-cpu trainer only.*choose one of those"):
+        PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="icepop")
+    with pytest.raises(ValidationError, match="opsm_delta"):
+        PipelineParams.preset_defaults("tiny-cpu", opsm_delta=-1.0)
+    with pytest.raises(ValidationError, match="rollout_correction"):
+        PipelineParams.preset_defaults("tiny-cpu", rollout_correction="tls")
