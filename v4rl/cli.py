@@ -19,10 +19,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
 
-from rl.correction_setting import MODES, RolloutCorrection, field_docs  # noqa: E402  (pure data: no torch)
+from v4rl.field_docs import field_default_and_doc  # noqa: E402
 
-_CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs(RolloutCorrection)
-
+SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
+CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA = (
+    field_default_and_doc("rl.correction_setting", "RolloutCorrection", name) for name in ("mode", "opsm", "opsm_delta"))
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -87,15 +88,15 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
           preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
           steps: int = typer.Option(100, min=1, help="GRPO steps of the run."),
+          save_interval: int = typer.Option(SAVE_INTERVAL[0], min=1, help=SAVE_INTERVAL[1]),
           base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
           prompts_per_step: int = typer.Option(128, min=1), n_samples: int = typer.Option(8, min=2),
           eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
           lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
-          rollout_correction: str = typer.Option(_CORRECTION.mode, metavar="|".join(MODES),
-                                                 help=_CORRECTION_DOCS["mode"]),
-          opsm: bool = typer.Option(_CORRECTION.opsm, "--opsm", help=_CORRECTION_DOCS["opsm"]),
-          opsm_delta: float = typer.Option(_CORRECTION.opsm_delta, help=_CORRECTION_DOCS["opsm_delta"]),
+          rollout_correction: str = typer.Option(CORRECTION_MODE[0], help=CORRECTION_MODE[1]),
+          opsm: bool = typer.Option(CORRECTION_OPSM[0], "--opsm", help=CORRECTION_OPSM[1]),
+          opsm_delta: float = typer.Option(CORRECTION_OPSM_DELTA[0], help=CORRECTION_OPSM_DELTA[1]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
                                                      "dropped and counted."),
@@ -133,6 +134,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         _fail(f"--preset: {exc}")
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    from rl.correction_setting import RolloutCorrection
+
     try:
         correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta)
     except ValueError as exc:
@@ -143,27 +146,53 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                    inputs.data_file("--eval-data", eval_data))
     if problem:
         _fail(problem)
+    from engines.train.run_lock import RunDirBusy, hold_run_dir
+
+    created = not out.exists()
+    try:  # before torch loads: a second run on this directory is refused in a second, naming the one that has it
+        with hold_run_dir(out, log=typer.echo):
+            summary = _train_run(out, created, base=base, steps=steps, save_interval=save_interval, n_eval=n_eval,
+                                 lr=lr, use_ray=ray, tensorboard=tensorboard, wandb=wandb, train_data=train_data,
+                                 eval_data=eval_data, input_key=input_key, label_key=label_key, reward=reward,
+                                 eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
+                                 rollout_expert_dtype=rollout_expert_dtype, prompts_per_step=prompts_per_step,
+                                 n_samples=n_samples, eval_interval=eval_interval, seed=seed,
+                                 dynamic_sampling=dynamic_sampling, rollout_correction=correction)
+    except RunDirBusy as exc:
+        _fail(f"--out {exc}")
+    for ev in summary["evals"]:
+        typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
+
+
+def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, train_data: Path | None,
+               eval_data: Path | None, base: Path | None, prompts_per_step: int, n_samples: int, eval_interval: int,
+               seed: int, dynamic_sampling: bool, **fields) -> dict:
+    """`v4rl train` once the run directory is held: the run, or its failure or interruption in words."""
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
+    from v4rl.errors import is_run_failure, one_line_error
 
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
-    created = not out.exists()
     try:  # an unknown reward, an import path that does not resolve, bad data: a ValueError naming the fix
-        config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
-                                metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
-                                input_key=input_key, label_key=label_key,
-                                reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
-                                rollout_expert_dtype=rollout_expert_dtype, rollout_correction=correction,
+        config = TrainRunConfig(base=str(base or DEFAULT_BASE), metric_sinks=sinks, train_data=str(train_data or ""),
+                                eval_data=str(eval_data or ""), **fields,
                                 loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                                 eval_interval=eval_interval, seed=seed,
                                                 dynamic_sampling=dynamic_sampling))
-        summary = run_training(out, config)
+        return run_training(out, config)
     except ValueError as exc:
         if created and not (out / "config.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
         _fail(str(exc))
-    for ev in summary["evals"]:
-        typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
+    except KeyboardInterrupt:
+        from engines.train.kept import kept_after_interrupt
+
+        typer.secho(f"interrupted: {kept_after_interrupt(out)}", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(code=130) from None
+    except Exception as exc:
+        if not is_run_failure(exc):
+            raise  # a bug: its traceback is what helps
+        _fail(one_line_error(exc))  # a full disk, a hung step, a stop: the cause in one line, not Ray's dump
 
 
 @app.command()
@@ -174,13 +203,22 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
                                                      "links to the run and keep it up until Ctrl-C.")) -> None:
     """The tiny-cpu rl-pipeline end to end under a local Prefect server; prints where the report is."""
     from v4rl import inputs
-    from v4rl.demo import run_demo
+    from v4rl.demo import DemoRefused, run_demo
 
     problem = inputs.output_dir("--workdir", workdir)
     if problem:
         _fail(problem)
+    try:
+        code = run_demo(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui)
+    except DemoRefused as exc:
+        _fail(str(exc))
+    except Exception as exc:
+        from v4rl.errors import is_run_failure, one_line_error
 
-    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui))
+        if not is_run_failure(exc):
+            raise  # a bug: its traceback is what helps
+        _fail(one_line_error(exc))
+    sys.exit(code)
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.
