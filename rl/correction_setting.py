@@ -80,7 +80,8 @@ class RolloutCorrection:
             rlow, rhigh = self.reject_bounds
             if not (math.isfinite(rhigh) and 0.0 < rlow <= 1.0 <= rhigh):
                 raise ValueError(f"rejection bounds [reject_low={rlow}, reject_high={rhigh}] must satisfy 0 < low <= "
-                                 f"1 <= high; leave them empty for {self.mode}'s defaults {_REJECT_DEFAULTS[self.mode]}")
+                                 f"1 <= high; leave them empty for {self.mode}'s defaults "
+                                 f"{_REJECT_DEFAULTS[self.mode]}")
         if self.veto_threshold is not None and not 0.0 < self.veto_threshold < 1.0:
             raise ValueError(f"veto_threshold={self.veto_threshold} must lie in (0, 1) (Miles' MIS uses 1e-4); leave "
                              "it empty to disable the veto")

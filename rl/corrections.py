@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rl.correction_setting import MASKING_MODES, MODES, RolloutCorrection, field_docs
+from rl.correction_setting import MODES, RolloutCorrection, field_docs
 
 __all__ = ["MODES", "CorrectionResult", "RolloutCorrection", "apply_correction", "field_docs", "opsm_keep",
            "rejection_keep", "sequence_is", "sequence_log_ratio", "token_mask", "token_truncate",
@@ -189,7 +189,8 @@ def opsm_keep(current_lp: Tensor, behaviour_lp: Tensor, advantages: Tensor, mask
     m = _check(current_lp, behaviour_lp, mask)
     _rows(current_lp, "logprobs")
     if advantages.shape != current_lp.shape[:1]:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} != one per sequence {tuple(current_lp.shape[:1])}")
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} != one per sequence "
+                         f"{tuple(current_lp.shape[:1])}")
     with torch.no_grad():
         seq_kl = -sequence_log_ratio(current_lp, behaviour_lp, m, "geometric")[:, 0]
         masked = (advantages.detach().float() < 0) & (seq_kl > delta)

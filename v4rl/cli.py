@@ -23,7 +23,8 @@ from v4rl.field_docs import field_default_and_doc  # noqa: E402
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA = (
-    field_default_and_doc("rl.correction_setting", "RolloutCorrection", name) for name in ("mode", "opsm", "opsm_delta"))
+    field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
+    for name in ("mode", "opsm", "opsm_delta"))
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
