@@ -199,7 +199,8 @@ class _PaddedPeer:
                 "advantages": torch.tensor([s.advantage for s in chunk])}
 
     def step(self) -> dict[str, float]:
-        from rl.grpo import policy_loss, tis_weights
+        from rl.corrections import apply_correction
+        from rl.grpo import policy_loss
 
         g = self.grpo
         self.optimizer.zero_grad(set_to_none=True)
@@ -211,10 +212,8 @@ class _PaddedPeer:
             logp = torch.log_softmax(logits, dim=-1)
             lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
             old = lp.detach()
-            weights = None
-            if g.use_tis:
-                weights, _ = tis_weights(old, batch["rollout_lp"], batch["mask"], clip_high=g.tis_clip_high,
-                                         clip_low=g.tis_clip_low)
+            weights = apply_correction(g.rollout_correction, old, batch["rollout_lp"], batch["mask"],
+                                       batch["advantages"]).weights
             loss, m = policy_loss(lp, old, batch["advantages"], batch["mask"], clip_low=g.clip_low,
                                   clip_high=g.clip_high, tis_weights=weights, loss_denominator=self.total)
             loss.backward()

@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
 
+from rl.correction_setting import Mode, RolloutCorrection, field_docs
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -27,6 +29,9 @@ _SEED_RUN = dict(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, 
 PRESET_PARAMS: dict[str, dict] = {
     "dsv4-flash-mi355x": _SEED_RUN, "dsv4-flash-mi355x-1node": _SEED_RUN, "dsv4-flash-mi355x-32gpu": _SEED_RUN}
 """Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's); DESIGN.md Presets."""
+_CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs(RolloutCorrection)
+CLUSTER_CORRECTIONS = ("none", "tis")
+"""Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
 
 
 class PipelineParams(BaseModel):
@@ -79,6 +84,9 @@ class PipelineParams(BaseModel):
     max_grader_error_ratio: float = Field(0.25, ge=0, le=1, description="Fraction of samples per step whose reward "
                                           "function may fail (scored 0, counted in rollout/grader_errors) before "
                                           "the run stops.")
+    rollout_correction: Mode = Field(_CORRECTION.mode, description=_CORRECTION_DOCS["mode"])
+    opsm: bool = Field(_CORRECTION.opsm, description=_CORRECTION_DOCS["opsm"])
+    opsm_delta: float = Field(_CORRECTION.opsm_delta, ge=0, description=_CORRECTION_DOCS["opsm_delta"])
     metric_sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="Dashboards mirroring metrics.jsonl and eval/: tensorboard "
                                           "(<run_dir>/tensorboard/), wandb (offline under <run_dir>/wandb/ unless "
@@ -202,6 +210,20 @@ class PipelineParams(BaseModel):
                                  "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
         return self
 
+    @model_validator(mode="after")
+    def _correction_reaches_the_trainer(self) -> "PipelineParams":
+        self.correction()  # ValueError naming the field and the fix
+        if self.preset != "tiny-cpu" and (self.rollout_correction not in CLUSTER_CORRECTIONS or self.opsm):
+            wanted = f"rollout_correction={self.rollout_correction!r}" + (" with opsm" if self.opsm else "")
+            raise ValueError(f"{wanted} runs in the embedded tiny-cpu trainer only; v4rl's Miles job for {self.preset} "
+                             f"carries {' or '.join(CLUSTER_CORRECTIONS)} (--use-tis) so far: choose one of those, "
+                             "or run the mode on tiny-cpu (docs/rollout-correction.md lists Miles' own flags)")
+        return self
+
+    def correction(self) -> RolloutCorrection:
+        """The run's rl.correction_setting.RolloutCorrection (the embedded trainer's TrainRunConfig field)."""
+        return RolloutCorrection(mode=self.rollout_correction, opsm=self.opsm, opsm_delta=self.opsm_delta)
+
     @field_validator("store_url")
     @classmethod
     def _store(cls, v: str) -> str:
@@ -282,6 +304,8 @@ class PipelineParams(BaseModel):
         out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
                      "n_samples_per_prompt": self.n_samples, "eval_interval": self.eval_interval,
                      "n_samples_per_eval_prompt": self.eval_samples, "lr": self.lr}
+        if self.rollout_correction != _CORRECTION.mode:  # only none reaches here besides the default (validator)
+            out["use_tis"] = self.rollout_correction == "tis"
         if self.save_interval:  # else the preset's (MilesSettings.save_interval): one job saves on its own grid
             out["save_interval"] = self.save_interval
         if self.train_data:
@@ -346,5 +370,7 @@ class PipelineParams(BaseModel):
         for key, default in (("input_key", "prompt"), ("label_key", "label")):
             if getattr(self, key) != default:  # likewise
                 fields[key] = getattr(self, key)
+        if self.correction() != _CORRECTION:  # likewise
+            fields["rollout_correction"] = self.correction().to_dict()
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -65,7 +65,8 @@ def _train_config(p: PipelineParams) -> dict:
                          n_eval=p.n_eval,
                          lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
                          train_data=p.train_data, eval_data=p.eval_data, input_key=p.input_key, label_key=p.label_key,
-                         max_grader_error_ratio=p.max_grader_error_ratio, reward=p.reward, eval_reward=p.eval_reward)
+                         max_grader_error_ratio=p.max_grader_error_ratio, reward=p.reward, eval_reward=p.eval_reward,
+                         rollout_correction=p.correction())
     return dataclasses.asdict(cfg)
 
 

@@ -10,7 +10,9 @@ What it does
        (BF16) disagree slightly on token probabilities; tokens were *sampled* from the rollout
        engine's distribution, so each token's loss is reweighted by
        ``w = clamp(exp(train_lp - rollout_lp), clip_low, clip_high)`` (detached; Miles
-       ``--use-tis --tis-clip 2 --tis-clip-low 0``).
+       ``--use-tis --tis-clip 2 --tis-clip-low 0``). The other corrections (IcePop, sequence IS,
+       geometric / sequence masking, OPSM) are in :mod:`rl.corrections`, chosen by
+       ``GRPOConfig.rollout_correction``.
     3. ``policy_loss(lp, old_lp, adv, mask, tis_weights=w)``: PPO/DAPO clipped surrogate with
        the asymmetric "clip-higher" range ``[1 - 0.2, 1 + 0.28]``, times the TIS weight,
        averaged over every response token of the batch (DAPO token-level mean), plus an
@@ -45,11 +47,14 @@ How to run
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from rl.correction_setting import RolloutCorrection
+from rl.corrections import token_truncate
 
 __all__ = [
     "KL_TYPES",
@@ -95,15 +100,10 @@ class GRPOConfig:
     token with a positive advantage. Larger than ``clip_low`` so rare good tokens can grow (keeps
     entropy from collapsing). >= 0."""
 
-    use_tis: bool = True
-    """Reweight each token's loss by the truncated importance ratio between trainer and rollout
-    engine (on by default, as in the seed)."""
-
-    tis_clip_high: float = 2.0
-    """Upper clamp of the TIS weight (Miles ``--tis-clip``). >= 1."""
-
-    tis_clip_low: float = 0.0
-    """Lower clamp of the TIS weight (Miles ``--tis-clip-low``). In [0, 1]."""
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    """How the loss corrects the train/rollout mismatch (:mod:`rl.corrections`): token TIS with the seed's clamp
+    [0, 2] by default; also none, icepop, seq-is, geo-mask, seq-mask, and OPSM on top of any. A mode name or a
+    mapping of its fields is accepted too (config.json, Ray actor arguments)."""
 
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (0 disables it; then no reference model
@@ -155,12 +155,7 @@ class GRPOConfig:
                 f"clip_high={self.clip_high} must be >= 0 (the upper ratio bound is 1 + clip_high). Use 0.28 "
                 "(DAPO clip-higher)."
             )
-        if not 0.0 <= self.tis_clip_low <= 1.0 <= self.tis_clip_high:
-            raise ValueError(
-                f"TIS clamp [tis_clip_low={self.tis_clip_low}, tis_clip_high={self.tis_clip_high}] must contain "
-                "1 with tis_clip_low >= 0: otherwise tokens on which trainer and rollout engine agree exactly "
-                "would still be reweighted. Use tis_clip_low=0.0, tis_clip_high=2.0 (the seed's values)."
-            )
+        self.rollout_correction = RolloutCorrection.coerce(self.rollout_correction)
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef={self.kl_coef} must be >= 0 (0 disables the KL penalty).")
         if self.kl_type not in KL_TYPES:
@@ -255,22 +250,9 @@ def tis_weights(
     >>> w, round(frac, 4)
     (tensor([1.0000, 2.0000, 0.6065]), 0.3333)
     """
-    if train_logprobs.shape != rollout_logprobs.shape:
-        raise ValueError(
-            f"train_logprobs shape {tuple(train_logprobs.shape)} != rollout_logprobs shape "
-            f"{tuple(rollout_logprobs.shape)}: both must score the same response tokens"
-        )
-    if not 0.0 <= clip_low <= clip_high:
-        raise ValueError(f"need 0 <= clip_low <= clip_high, got clip_low={clip_low}, clip_high={clip_high}")
-    m = _as_mask(mask, train_logprobs)
-    with torch.no_grad():
-        raw = torch.exp(train_logprobs.detach().float() - rollout_logprobs.detach().float())
-        w = raw.clamp(min=clip_low, max=clip_high)
-        clipped = (raw < clip_low) | (raw > clip_high) | torch.isnan(raw)
-        n = int(m.sum())
-        clipfrac = float((clipped & m).sum()) / n if n else 0.0
-        w = torch.where(m, w, torch.zeros_like(w))
-    return w, clipfrac
+    w, clipped = token_truncate(train_logprobs, rollout_logprobs, mask, clip_low=clip_low, clip_high=clip_high)
+    n = int(_as_mask(mask, train_logprobs).sum())
+    return w, float(clipped.sum()) / n if n else 0.0
 
 
 def tis_metrics(

@@ -261,7 +261,7 @@ def test_bf16_logprobs_give_float32_loss() -> None:
 def test_config_defaults_match_seed_recipe() -> None:
     cfg = GRPOConfig()
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28)
-    assert (cfg.use_tis, cfg.tis_clip_high, cfg.tis_clip_low) == (True, 2.0, 0.0)
+    assert (cfg.rollout_correction.mode, cfg.rollout_correction.clip_bounds) == ("tis", (0.0, 2.0))
     assert (cfg.kl_coef, cfg.kl_type, cfg.normalize_std, cfg.n_samples_per_prompt) == (0.0, "low_var_kl", True, 8)
     with pytest.raises(TypeError):
         GRPOConfig(8)  # keyword-only
@@ -274,8 +274,9 @@ def test_config_defaults_match_seed_recipe() -> None:
         ({"n_samples_per_prompt": 4.0}, "must be an int"),
         ({"clip_low": 1.0}, r"clip_low=1.0 must lie in \[0, 1\).*Use 0.2"),
         ({"clip_high": -0.1}, "Use 0.28"),
-        ({"tis_clip_high": 0.9}, r"must contain 1.*tis_clip_high=2.0"),
-        ({"tis_clip_low": 1.5, "tis_clip_high": 3.0}, "must contain 1"),
+        ({"rollout_correction": {"clip_high": 0.9}}, r"must contain 1.*defaults \(0.0, 2.0\)"),
+        ({"rollout_correction": {"clip_low": 1.5, "clip_high": 3.0}}, "must contain 1"),
+        ({"rollout_correction": "tls"}, "is not one of none, tis, icepop"),
         ({"kl_coef": -1.0}, "kl_coef"),
         ({"kl_type": "k4"}, "low_var_kl"),
         ({"adv_eps": 0.0}, "Use 1e-6"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 
 from checkpoints.hf import load_hf_checkpoint
@@ -119,6 +120,19 @@ def test_grpo_step_changes_weights_and_reports_finite_metrics(tiny_checkpoint):
     assert trainer.step == 1
 
 
+def test_grpo_step_applies_the_chosen_rollout_correction(tiny_checkpoint):
+    """IcePop on rollout logprobs of 0 (ratio = the trainer's probability, far below 0.5) zeroes every token, over
+    several micro-batches: no policy loss, every token and sequence counted as masked."""
+    trainer, _ = _trainer(tiny_checkpoint, lr=1e-3, max_tokens_per_gpu=128)
+    samples = [Sample(p, r, [0.0] * len(r), 1.0, i // 4, advantage=1.0 if i % 2 else -1.0)
+               for i, (p, r) in enumerate(_seqs(8, seed=2))]
+    metrics = trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, rollout_correction="icepop"))
+    assert metrics["train/pg_loss"] == 0.0
+    assert metrics["train/correction_masked_token_frac"] == pytest.approx(1.0)
+    assert metrics["train/correction_masked_seq_frac"] == pytest.approx(1.0)
+    assert metrics["train/tis_clipfrac"] == pytest.approx(1.0) and metrics["train/train_rollout_kl"] > 0
+
+
 def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(tiny_base):
     """After a step, the trainer's logprobs (fp32 compute) equal our engine's on the re-quantized export;
     without the quantization-aware forward the gap is the whole rounded-away update."""
@@ -132,7 +146,7 @@ def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(t
                                       TrainerConfig(lr=1e-4, compute_dtype="float32", quantization_aware=qat))
         samples = [Sample(p, r, [0.0] * len(r), 1.0, i // 4, advantage=1.0 if i % 2 else -1.0)
                    for i, (p, r) in enumerate(seqs)]
-        trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, use_tis=False))
+        trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, rollout_correction="none"))
         served = DeepseekV4(cfg).eval()
         served.load_state_dict(storage_round_trip(trainer.native_state(), cfg, expert_dtype="fp8"))
         want = token_logprobs(served, [{"prompt_ids": p, "response_ids": r} for p, r in seqs], vocab_size=cfg.vocab_size)

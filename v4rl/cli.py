@@ -22,6 +22,9 @@ import typer  # noqa: E402
 from v4rl.field_docs import field_default_and_doc  # noqa: E402
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
+CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA = (
+    field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
+    for name in ("mode", "opsm", "opsm_delta"))
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -92,6 +95,9 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
           lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
+          rollout_correction: str = typer.Option(CORRECTION_MODE[0], help=CORRECTION_MODE[1]),
+          opsm: bool = typer.Option(CORRECTION_OPSM[0], "--opsm", help=CORRECTION_OPSM[1]),
+          opsm_delta: float = typer.Option(CORRECTION_OPSM_DELTA[0], help=CORRECTION_OPSM_DELTA[1]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
                                                      "dropped and counted."),
@@ -118,7 +124,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                                                         "TensorBoard scalars to OUT/tensorboard/."),
           wandb: bool = typer.Option(False, "--wandb", help="Also log metrics and evals to W&B: offline under "
                                                             "OUT/wandb/ unless WANDB_MODE=online.")) -> None:
-    """GRPO + TIS on the embedded engines (rollout server over HTTP, transformers trainer), resumable."""
+    """GRPO with a rollout correction (token TIS by default) on the embedded engines (rollout server over HTTP,
+    transformers trainer), resumable."""
     from engines.run_presets import preset_name
     from v4rl import inputs
 
@@ -128,6 +135,12 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         _fail(f"--preset: {exc}")
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    from rl.correction_setting import RolloutCorrection
+
+    try:
+        correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta)
+    except ValueError as exc:
+        _fail(f"--rollout-correction / --opsm-delta: {exc}")
     # Paths first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet
     problem = inputs.first_problem(inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
                                    inputs.data_file("--train-data", train_data),
@@ -145,7 +158,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                  eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
                                  rollout_expert_dtype=rollout_expert_dtype, prompts_per_step=prompts_per_step,
                                  n_samples=n_samples, eval_interval=eval_interval, seed=seed,
-                                 dynamic_sampling=dynamic_sampling)
+                                 dynamic_sampling=dynamic_sampling, rollout_correction=correction)
     except RunDirBusy as exc:
         _fail(f"--out {exc}")
     for ev in summary["evals"]:

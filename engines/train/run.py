@@ -29,6 +29,7 @@ from engines.train.run_lock import hold_run_dir
 from engines.train.runlog import RunLog
 from engines.train.sinks import check_sink_names, open_sinks
 from engines.train.stopping import StopRequest, TrainingStopped
+from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
@@ -39,7 +40,8 @@ OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold"
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
 NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto",
-                      "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label"}
+                      "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label",
+                      "rollout_correction": RolloutCorrection().to_dict()}
 """Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
 EXPERT_DTYPES = ("fp8", "fp4")
 """Routed-expert storage a rollout engine can serve (checkpoints.hf: FP8 128x128 blocks, FP4 E2M1 + UE8M0 1x32)."""
@@ -75,6 +77,9 @@ class TrainRunConfig:
     trainer exports in it and its quantization-aware forward uses it. fp8 as on the cluster; fp4 measured as good
     over the first steps (`_rollout_start_weights` has the numbers)."""
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(dynamic_sampling=False))
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    """How the loss corrects the train/rollout logprob mismatch (rl/corrections.py): the seed's token TIS by
+    default; a mode name or the asdict form (config.json) is accepted too."""
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
     call_timeout_s: float = 900.0
@@ -121,6 +126,7 @@ class TrainRunConfig:
 
     def __post_init__(self) -> None:
         self.metric_sinks = check_sink_names(self.metric_sinks)
+        self.rollout_correction = RolloutCorrection.coerce(self.rollout_correction)
         self.reward = check_reward_spec(self.reward, "reward")
         self.eval_reward = check_reward_spec(self.eval_reward, "eval_reward")
         if self.save_interval < 1:
@@ -257,7 +263,8 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                                         "quantization_aware": config.quantization_aware,
                                         "rollout_expert_dtype": config.rollout_expert_dtype},
                         grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
-                                     "dynamic_sampling": config.loop.dynamic_sampling},
+                                     "dynamic_sampling": config.loop.dynamic_sampling,
+                                     "rollout_correction": config.rollout_correction.to_dict()},
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})

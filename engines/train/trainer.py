@@ -274,11 +274,13 @@ class Trainer:
             return self._grpo_step(samples, grpo)
 
     def _grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
-        from rl.grpo import policy_loss, tis_metrics, tis_weights
+        from rl.corrections import apply_correction
+        from rl.grpo import policy_loss
 
         total = sum(len(s.response_ids) for s in samples)
         if total == 0:
             raise ValueError("GRPO step got no response tokens; every sample has an empty response")
+        sequences = sum(1 for s in samples if s.response_ids)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         for idx, forward in self._micro_batches([(s.prompt_ids, s.response_ids) for s in samples]):
@@ -291,20 +293,19 @@ class Trainer:
                                      f"{len(s.response_ids)} response tokens; the rollout must return one per token")
                 rollout_lp[b, :len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
             old = lp.detach()  # one optimizer step per rollout: the behaviour policy is the current one
-            weights = None
-            if grpo.use_tis:
-                weights, _ = tis_weights(old, rollout_lp, mask, clip_high=grpo.tis_clip_high,
-                                         clip_low=grpo.tis_clip_low)
-            loss, m = policy_loss(lp, old, torch.tensor([s.advantage for s in chunk]), mask,
-                                  clip_low=grpo.clip_low, clip_high=grpo.clip_high, tis_weights=weights,
+            advantages = torch.tensor([s.advantage for s in chunk])
+            correction = apply_correction(grpo.rollout_correction, old, rollout_lp, mask, advantages)
+            loss, m = policy_loss(lp, old, advantages, mask,
+                                  clip_low=grpo.clip_low, clip_high=grpo.clip_high, tis_weights=correction.weights,
                                   loss_denominator=total)
             loss.backward()
             for key in ("pg_loss", "pg_clipfrac", "ppo_kl"):
                 sums[key] += m[key]  # already divided by the batch's token count
             n = int(mask.sum())
-            for key, value in tis_metrics(old, rollout_lp, mask, clip_high=grpo.tis_clip_high,
-                                          clip_low=grpo.tis_clip_low).items():
+            for key, value in correction.token_metrics.items():
                 sums[key] += value * n / total
+            for key, value in correction.sequence_metrics.items():
+                sums[key] += value * len(chunk) / sequences
             sums["entropy"] += float(entropy.detach()[mask].sum()) / total
         clip = grpo.max_grad_norm if grpo.max_grad_norm > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
