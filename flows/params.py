@@ -19,7 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
 
-from rl.correction_setting import Mode, RolloutCorrection, field_docs
+from rl.correction_setting import Mode, RolloutCorrection
+from rl.field_docs import field_docs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +30,7 @@ _SEED_RUN = dict(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, 
 PRESET_PARAMS: dict[str, dict] = {
     "dsv4-flash-mi355x": _SEED_RUN, "dsv4-flash-mi355x-1node": _SEED_RUN, "dsv4-flash-mi355x-32gpu": _SEED_RUN}
 """Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's); DESIGN.md Presets."""
-_CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs(RolloutCorrection)
+_CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
 CLUSTER_CORRECTIONS = ("none", "tis")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
 

@@ -7,13 +7,11 @@ read, so none of them imports torch to show or check it. The functions that appl
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["MASKING_MODES", "MODES", "RolloutCorrection", "field_docs"]
+__all__ = ["MASKING_MODES", "MODES", "RolloutCorrection"]
 
 Mode = Literal["none", "tis", "icepop", "seq-is", "geo-mask", "seq-mask"]
 MODES: tuple[str, ...] = ("none", "tis", "icepop", "seq-is", "geo-mask", "seq-mask")
@@ -124,16 +122,3 @@ class RolloutCorrection:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, by field name (one line each): the help text that the
-    command line and the flow's form derive from the dataclass, so the three never say different things."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs

@@ -39,9 +39,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rl.correction_setting import MODES, RolloutCorrection, field_docs
+from rl.correction_setting import MODES, RolloutCorrection
 
-__all__ = ["MODES", "CorrectionResult", "RolloutCorrection", "apply_correction", "field_docs", "opsm_keep",
+__all__ = ["MODES", "CorrectionResult", "RolloutCorrection", "apply_correction", "opsm_keep",
            "rejection_keep", "sequence_is", "sequence_log_ratio", "token_mask", "token_truncate",
            "train_rollout_kl"]
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rl.corrections import (MODES, RolloutCorrection, apply_correction, field_docs, opsm_keep, rejection_keep,
+from rl.corrections import (MODES, RolloutCorrection, apply_correction, opsm_keep, rejection_keep,
                             sequence_is, token_mask, token_truncate, train_rollout_kl)
 from rl.grpo import GRPOConfig, policy_loss
 
@@ -146,7 +146,9 @@ def test_setting_round_trips_through_its_dict_and_a_mode_name() -> None:
 
 
 def test_every_field_has_the_docstring_the_cli_and_the_flow_show() -> None:
-    docs = field_docs(RolloutCorrection)
+    from rl.field_docs import field_docs
+
+    docs = field_docs("rl.correction_setting", "RolloutCorrection")
     assert set(docs) == set(RolloutCorrection.__dataclass_fields__)
     assert docs["opsm_delta"].startswith("OPSM's threshold")
 

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
 
-from v4rl.field_docs import field_default_and_doc  # noqa: E402
+from rl.field_docs import field_default_and_doc  # noqa: E402
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA = (
