@@ -298,8 +298,8 @@ def _read_records(source: Path) -> list[dict[str, Any] | _Malformed]:
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DatasetError(f"{source}: could not be read as parquet ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}); check the file") from None
-    try:
-        text = source.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a leading byte-order mark (Excel, Notepad) is not part of the first row
+        text = source.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{source}: not UTF-8 text at byte {exc.start}; give a JSON-lines (.jsonl), JSON or "
                            "parquet file") from None
