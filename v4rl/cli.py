@@ -18,6 +18,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
+import typer.rich_utils  # noqa: E402
+
+HELP_WIDTH = 120
+"""Columns `--help` is laid out in at least: at rich's default of 80 (any pipe, a narrow terminal) the option
+column cuts names such as --prompts-per-step to `--prompts-per-…`. TERMINAL_WIDTH (typer's own setting) wins."""
+if not os.environ.get("TERMINAL_WIDTH"):
+    typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
