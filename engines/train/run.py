@@ -212,8 +212,7 @@ def _grader_events(run_dir: Path, grader, reported: set[str], step: int, metrics
     for kind, error in grader.first_error_by_type.items():
         if kind not in reported:
             reported.add(kind)
-            message = (f"the reward function failed ({error}); failed samples score 0 and are counted in "
-                       "rollout/grader_errors")
+            message = f"{error}; failed samples score 0 and are counted in rollout/grader_errors"
             append_event(run_dir, {"step": step, "action": "grader_error",
                                    "value": metrics.get("rollout/grader_errors"), "message": message})
 
