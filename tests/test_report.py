@@ -88,6 +88,15 @@ def test_plots_smooth_draw_the_threshold_and_keep_legends_off_the_data(tmp_path,
         assert figures[name].legend_below_axes, name
 
 
+def test_plots_of_a_short_run_tick_whole_steps_only(tmp_path, figures):
+    report.write_report(_run_dir(tmp_path / "run", steps=3))  # matplotlib's default puts ticks at 1.0, 1.5, 2.0
+    for name in ("reward", "logprob_diff", "pass_at_k"):
+        ax = figures[name].axes[0]
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (name, ticks)
+
+
 def test_report_numbers_are_never_rounded_to_zero_and_carry_their_noise(tmp_path):
     run = _run_dir(tmp_path / "run")
     markdown = report.write_report(run)["markdown"]
