@@ -5,7 +5,7 @@ builder (engines/train/miles) all read a preset, so it lives below all three and
 presets are in `engines.run_presets`.
 
 Where v4rl deliberately differs from Miles' own launcher (`scripts/amd/run_deepseek_v4.py` at the pinned
-commit), the difference is a field of `MilesSettings` with its reason; the README lists them in the table
+commit), the difference is a field of `MilesSettings` with its reason; docs/cluster.md lists them in the table
 "v4rl settings vs Miles' launcher".
 """
 

@@ -18,6 +18,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
+# One Prefect server and one S3 server for the whole session, shared by every module that names the fixture: a
+# fixture imported into a test module is a separate definition there, and each started its own server.
+from tests.prefect_server import prefect_server  # noqa: E402, F401
+from tests.s3_server import moto_server, s3_bucket, s3_proxy  # noqa: E402, F401
+
 # Nothing in the test suite may talk to anything but loopback, or phone home.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

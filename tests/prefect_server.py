@@ -1,7 +1,6 @@
 """A real Prefect server for tests: started once per session on 127.0.0.1 with a temporary PREFECT_HOME and
-no UI, telemetry off; stopped (by PID) at the end. Import the fixture into a test module:
-
-    from tests.prefect_server import prefect_server  # noqa: F401
+no UI, telemetry off; stopped (by PID) at the end. tests/conftest.py
+registers the fixture once for the whole suite (a test names `prefect_server` as an argument).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """An S3-compatible server for tests (moto's ThreadedMotoServer on 127.0.0.1, a free port, one per session)
 and a fault-injecting HTTP proxy on 127.0.0.1 in front of it. The test tells the proxy what to do to the
 next N matching requests -- answer 500/503, answer slowly, or drop the connection -- and reads back what it
-saw (e.g. how many PUTs arrived). Import the fixtures into a test module:
-
-    from tests.s3_server import moto_server, s3_bucket, s3_proxy  # noqa: F401
+saw (e.g. how many PUTs arrived). tests/conftest.py
+registers the fixtures once for the whole suite (a test names them as arguments).
 
     def test_x(s3_bucket, s3_proxy):
         s3_proxy.fail(3, status=503)                # the next 3 requests get 503 SlowDown

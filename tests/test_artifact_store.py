@@ -27,7 +27,6 @@ import pytest
 from engines.artifact_store import (ArtifactStoreError, S3Credentials, Store, StoreOptions, TransientStoreError,
                                     check_key, download, list_objects, parse_store_url, read_json, upload_run)
 from engines.artifact_store.paths import RunFile
-from tests.s3_server import moto_server, s3_bucket, s3_proxy  # noqa: F401
 
 MiB = 1024 * 1024
 # Fast backoff and short timeouts so fault tests take well under a second each.

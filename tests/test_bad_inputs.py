@@ -35,7 +35,7 @@ import torch
 from rl.grading import Grader, GraderFailed
 from rl.loop import Completion, LoopConfig, evaluate, rollout_step
 from rl.rewards import strict_math_reward
-from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
+from tests.prefect_server import flow_run_children
 
 PROMPT = "Compute {a}+{b}. Answer in \\boxed{{}}."
 BAD_LABEL = "9" * 300  # longer than rl.rewards.MAX_ANSWER_CHARS: math-verify refuses it (a grader error, not "wrong")

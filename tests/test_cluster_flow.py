@@ -31,7 +31,7 @@ import pytest
 
 from engines.train.miles.jobs import flag_values
 from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls, replace_cluster_only_steps
-from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
+from tests.prefect_server import flow_run_children
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 from engines.train.checkpointing import latest_step
-from tests.prefect_server import prefect_server  # noqa: F401
 from tests.test_kill_resume import MARK, _marked_pids
 
 pytestmark = pytest.mark.faults

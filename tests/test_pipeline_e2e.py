@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
-from tests.s3_server import TEST_CREDENTIALS, moto_server, s3_bucket  # noqa: F401
+from tests.prefect_server import flow_run_children
+from tests.s3_server import TEST_CREDENTIALS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from tests.prefect_server import flow_run_children, prefect_server  # noqa: F401
+from tests.prefect_server import flow_run_children
 
 
 def _task_states(flow_run_id) -> dict[str, str]:

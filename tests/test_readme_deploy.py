@@ -1,7 +1,7 @@
-"""The README's "Prefect deployments, step by step" block, run as a new user pastes it.
+"""The "Prefect deployments, step by step" block of docs/deployments.md, run as a new user pastes it.
 
 The slow test extracts the bash block that follows the `tests/test_readme_deploy.py runs the next bash block`
-marker in README.md and runs exactly those lines in a fresh bash with job control (as in a terminal): no
+marker in docs/deployments.md and runs exactly those lines in a fresh bash with job control (as in a terminal): no
 profile, a PATH without the venv (so the block's own `source .venv/bin/activate` must provide `prefect`), a
 temporary PREFECT_HOME and a free port (through the block's own `${PREFECT_HOME:-...}` and
 `${PREFECT_SERVER_API_PORT:-...}` defaults). After each line the test records its exit status. It passes when
@@ -38,11 +38,11 @@ MARKER = "<!-- tests/test_readme_deploy.py runs the next bash block as written -
 
 
 def readme_deploy_lines() -> list[str]:
-    """The lines of the bash block after MARKER in README.md."""
-    text = (REPO / "README.md").read_text()
-    assert text.count(MARKER) == 1, f"README.md must hold the marker {MARKER!r} once"
+    """The lines of the bash block after MARKER in docs/deployments.md."""
+    text = (REPO / "docs" / "deployments.md").read_text()
+    assert text.count(MARKER) == 1, f"docs/deployments.md must hold the marker {MARKER!r} once"
     match = re.search(re.escape(MARKER) + r"\s*```bash\n(.*?)\n```", text, flags=re.S)
-    assert match, f"no ```bash block right after {MARKER!r} in README.md"
+    assert match, f"no ```bash block right after {MARKER!r} in docs/deployments.md"
     return match.group(1).splitlines()
 
 

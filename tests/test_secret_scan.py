@@ -37,8 +37,6 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.prefect_server import prefect_server  # noqa: F401
-from tests.s3_server import moto_server, s3_bucket, s3_proxy  # noqa: F401
 
 ACCESS_KEY_ID = "AKIAV4RLSCANPLANTED7Q"
 ENV_SECRET = "v4rl+ENV/secret-9zQx2LmN4pRt6VwY8bCd"

@@ -35,7 +35,6 @@ from rl.grading import GraderFailed
 from rl.loop import Completion, LoopConfig, rollout_step
 from rl.math_task import make_prompt
 from rl.reward_spec import RewardCheckFailed, RewardSpecError, check_reward, check_reward_spec, resolve_reward
-from tests.prefect_server import prefect_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_BASE = REPO / "tests" / "assets" / "tiny-base"

@@ -20,7 +20,7 @@ validation shape. Weight endpoints answer `{"success", "message"}`, HTTP 400 on 
 every route but /health*, /ready and /metrics needs `Authorization: Bearer <key>` (scheme case-insensitive,
 as SGLang's auth.py); 401 `{"error": "Unauthorized"}` otherwise. No route SGLang 0.5.23 lacks is served.
 
-Deliberate differences from SGLang (also in the README's "Rollout server" section):
+Deliberate differences from SGLang (also in docs/rollout-server.md):
   - generation is held inside a begin/end weight-update session and weight updates wait until nothing
     runs (unless paused); SGLang keeps generating during a session, so its callers pause first, as
     `launcher.DistributedWeightSync` does for both;

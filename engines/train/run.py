@@ -330,7 +330,7 @@ def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
     engine refuses an update in another expert format, and so does SGLang (conformance C10).
 
     Why fp8 by default: the cluster path serves FP8 experts (SGLANG_DSV4_FP4_EXPERTS=0 on the FP8 repackage, as
-    the seed and Miles' launchers) and the README's 100-step table was measured this way. With the trainer's
+    the seed and Miles' launchers) and the 100-step table in docs/results.md was measured this way. With the trainer's
     quantization-aware forward in the same format, FP4 does as well over the first steps (measured 2026-12-01,
     `v4rl train --steps 4 --prompts-per-step 32 --no-ray`, lr 1e-4, loaded machine: mean |Δlogprob| fp4 0.0046,
     fp8 0.0056; reward 0.246 -> 0.375 vs 0.246 -> 0.359). Without that forward FP4 is far worse: a UE8M0 1x32

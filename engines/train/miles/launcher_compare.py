@@ -34,7 +34,7 @@ MODEL_NAME = "DeepSeek-V4-Flash-FP8"
 # What v4rl's job may do differently from Miles' launcher, and why (kind, key) -> reason. Keep each reason a
 # pointer to the setting or finding that decides it; a difference not listed here fails the comparison.
 ALLOWED: dict[tuple[str, str], str] = {
-    # named settings (engines/run_spec.py; README "v4rl settings vs Miles' launcher")
+    # named settings (engines/run_spec.py; docs/cluster.md "v4rl settings vs Miles' launcher")
     ("argv", "--transformer-impl"): "MilesSettings.fp8_training=False: BF16 actor as in the seed (launcher: FP8)",
     ("argv", "--fp8-format"): "MilesSettings.fp8_training=False",
     ("argv", "--fp8-recipe"): "MilesSettings.fp8_training=False",
@@ -58,7 +58,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # never restored) and needs o_lora_rank % 128 == 0; Miles' CUDA launcher sets 0 too, its AMD one leaves it
     ("env", "SGLANG_OPT_FP8_WO_A_GEMM"): "engines/rollout/update_settings.py: 0 so online updates reproduce a "
                                          "fresh load (conformance C9)",
-    # README "Megatron conformance": Miles' logprob softmax runs over Megatron's padded vocab (zero-filled rows)
+    # docs/conformance.md "Megatron conformance": Miles' logprob softmax runs over Megatron's padded vocab (zero-filled rows)
     ("argv", "--make-vocab-size-divisible-by"): "train_args.vocab_args: a divisor at which Megatron pads no vocab "
                                                "row at this TP (129,280 at TP 4: 64)",
     # conformance A10: the launcher forwards only NCCL/GLOO_SOCKET_IFNAME; v4rl gives every rank the site network

@@ -322,6 +322,6 @@ def check_job_model_keys(preset, job, *, miles_dir: str | Path | None = None,
     padded = padded_vocab(vocab, tp, int(given[1]) if given else MAKE_VOCAB_DIVISIBLE_BY)
     if padded != vocab:  # TP does not divide the vocab: no divisor avoids the pad rows
         check.vocab_note = (f"at TP {tp} Megatron pads the vocab {vocab} -> {padded}: {padded - vocab} pad rows load "
-                            "as zeros and their logit 0 enters Miles' logprob softmax (README 'Megatron conformance', "
+                            "as zeros and their logit 0 enters Miles' logprob softmax (docs/conformance.md 'Megatron conformance', "
                             "vocab padding); choose a TP that divides the vocab")
     return check

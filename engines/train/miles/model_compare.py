@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.align.layerwise import BLOCK_OF, SUB_BLOCKS, Localisation, _compare, _entry, _Stats
+from engines.align.layerwise import BLOCK_OF, SUB_BLOCKS, Localisation, compare_sub_block
 from engines.model.config import HASH_MOE
 
 NOISE_FACTOR = 3.0
@@ -40,12 +40,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def _stats(key: str, got: torch.Tensor, ref: torch.Tensor) -> dict:
-    s = _Stats()
-    _compare(s, got, ref, key, float("inf"))
-    return _entry(key, s, float("inf"), float("inf"))
-
-
 def _error(key: str, entry: dict) -> float:
     return entry["mismatch_frac"] if key == "router" else entry["mean_rel"]
 
@@ -60,8 +54,8 @@ def compare_traces(miles: Sequence[dict], ours_fp32: Sequence[dict], ours_bf16: 
     for i, (m, ref, noisy) in enumerate(zip(miles, ours_fp32, ours_bf16)):
         row: dict = {"layer": i, "hash_routed": mlp_layer_types[i] == HASH_MOE}
         for key in SUB_BLOCKS:
-            got = _stats(key, m[key], ref[key])
-            noise = _error(key, _stats(key, noisy[key], ref[key]))
+            got = compare_sub_block(key, m[key], ref[key])
+            noise = _error(key, compare_sub_block(key, noisy[key], ref[key]))
             floor = ROUTER_FLOOR if key == "router" else TENSOR_FLOOR
             bound = NOISE_FACTOR * noise + floor
             value = _error(key, got)

@@ -116,7 +116,7 @@ def vocab_divisor(vocab: int, tp: int) -> int:
     """The largest power of two <= Megatron's default whose multiple by TP divides the vocab: Megatron then pads
     nothing. Pad rows are not inert in Miles: its loader fills them with zeros and its logprob softmax runs over the
     padded width, so each zero logit moves every token's logprob (0.020 nats on the tiny model's 500 -> 512;
-    README "Megatron conformance"). 1 when TP does not divide the vocab (padding cannot be avoided)."""
+    docs/conformance.md "Megatron conformance"). 1 when TP does not divide the vocab (padding cannot be avoided)."""
     divisor = MEGATRON_VOCAB_DIVISIBLE_BY
     while divisor > 1 and vocab % (divisor * tp):
         divisor //= 2
