@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["PromptRow", "DatasetReport", "DatasetError", "EncodedPrompts", "load_prompt_dataset",
-           "load_encoded_prompts", "DROP_REASONS"]
+           "load_encoded_prompts", "DROP_REASONS", "SAMPLE_DATA"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ DROP_REASONS = {
     "malformed_json": "the line is not valid JSON, or not a JSON object",
 }
 """Every reason a row can be dropped for, with what it means."""
+
+SAMPLE_DATA = Path(__file__).resolve().with_name("sample_math.jsonl")
+"""256 rows in the working format and wording (the synthetic addition task's training split, seed 0): what
+`v4rl train --train-data` reads and the tiny base gets a non-zero reward on. The tiny base solves only this
+wording; a DAPO-style prompt gets reward 0 on every sample, so no step has a learning signal."""
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _EXAMPLES_PER_REASON = 5

@@ -97,7 +97,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
-                                                     "dropped and counted."),
+                                                     "dropped and counted. The tiny base solves only its own wording: "
+                                                     "rl/sample_math.jsonl is a file in it."),
           eval_data: Path = typer.Option(None, help="Held-out rows in the same format (default: synthetic)."),
           input_key: str = typer.Option("prompt", help="Column of --train-data / --eval-data holding the prompt "
                                                        "(Miles' --input-key), e.g. question."),

@@ -281,10 +281,12 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                 for used in [grader] if eval_grader is grader else [grader, eval_grader]:
                     _grader_events(Path(run_dir), used, reported_grader_errors, step, metrics)
                 t1 = time.monotonic()
-                metrics.update(call(trainer.train_step, "a GRPO step", groups,
-                                    advantages_of(groups, config.loop.normalize_std)))
+                if groups:  # dynamic sampling may have filtered every group: then there is nothing to step on
+                    metrics.update(call(trainer.train_step, "a GRPO step", groups,
+                                        advantages_of(groups, config.loop.normalize_std)))
                 t2 = time.monotonic()
-                metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step)
+                metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step) \
+                    if groups else 0.0
             except (RemoteCallTimeout, SGLangTimeout) as exc:
                 path = record_hang(Path(run_dir), step, workers.pids, exc)
                 raise StepHung(f"step {step} made no progress within {config.call_timeout_s:.0f}s ({exc}); thread "
@@ -301,8 +303,10 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
             if should_run(step, config.save_interval, last):
                 call(trainer.save, "saving a checkpoint", step, {"step": step})
             log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "
-                f"|Δlogprob| {metrics['train/train_rollout_logprob_abs_diff']:.4f} "
+                f"|Δlogprob| {metrics.get('train/train_rollout_logprob_abs_diff', float('nan')):.4f} "
                 f"({metrics['perf/step_time']:.1f}s)")
+            if metrics["rollout/no_learning_signal"]:
+                log(no_signal_warning(step, metrics, config))
             if on_step:
                 on_step(step, metrics)
             event = budget.observe(step, metrics.get("train/train_rollout_logprob_abs_diff"))
@@ -320,6 +324,28 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                     continue
             step += 1
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
+
+
+def no_signal_warning(step: int, metrics: dict, config: TrainRunConfig) -> str:
+    """The one line a step without a learning signal logs (rollout/no_learning_signal = 1): every group's samples
+    scored alike, so every advantage is 0. Reward 0 everywhere on a data file is the common case: the tiny base
+    answers only the prompt wording it was bootstrapped on (rl/math_task.py), and rl/sample_math.jsonl shows it."""
+    from rl.datasets import SAMPLE_DATA
+
+    groups = int(metrics.get("rollout/dynamic_filter_prompts") or config.loop.prompts_per_step)
+    reward = metrics["rollout/raw_reward"]
+    filtered = " (dynamic sampling filtered them all; the optimizer step was skipped)" \
+        if config.loop.dynamic_sampling else ""
+    line = (f"warning: step {step} has no learning signal: in each of its {groups} groups every sample scored the "
+            f"same{filtered}, so every advantage is 0 and the step cannot change the model")
+    if reward == 0 and config.train_data:
+        line += (f"; reward is 0 on {config.train_data}: the tiny base solves only its own prompt wording "
+                 f"(rows like {SAMPLE_DATA}), see docs/data-and-reward.md")
+    elif reward == 0:
+        line += "; reward is 0 on every sample: check the base checkpoint (--base) and --reward"
+    else:
+        line += "; every sample is right: give harder prompts"
+    return line
 
 
 def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
