@@ -9,6 +9,7 @@ never died.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -146,3 +147,26 @@ def test_a_step_without_a_learning_signal_says_so_and_skips_the_optimizer(tiny_b
     assert [w.split(" has ")[0] for w in warned] == ["warning: step 1", "warning: step 2"], logged
     assert "the optimizer step was skipped" in warned[0] and str(SAMPLE_DATA) in warned[0]
     assert "solves only its own prompt wording" in warned[0] and "\n" not in warned[0]
+
+
+def test_a_completed_run_restarted_with_the_same_command_starts_nothing(tiny_base, tmp_path, monkeypatch):
+    """The rerun finds the final checkpoint first, says the run is complete and returns: no tokenizer, no data,
+    no engines (which took 30 s to do nothing)."""
+    import engines.train.run as run_module
+
+    config = _config(tiny_base, 1, use_ray=False)
+    run_training(tmp_path / "run", config, log=lambda m: None)
+    before = _rows(tmp_path / "run")
+
+    def started(*args, **kwargs):
+        raise AssertionError("the rerun of a completed run started its engines")
+
+    monkeypatch.setattr(run_module, "_workers", started)
+    monkeypatch.setattr(run_module, "_task_data", started)
+    logged: list[str] = []
+    summary = run_training(tmp_path / "run", config, log=logged.append)
+    assert summary["complete"] and summary["last_step"] == 1 and [e["step"] for e in summary["evals"]] == [0, 1]
+    assert len(logged) == 1 and "is complete" in logged[0] and "--steps" in logged[0], logged
+    assert _rows(tmp_path / "run") == before
+    with pytest.raises(ValueError, match="different run configuration"):  # a changed run is still refused first
+        run_training(tmp_path / "run", dataclasses.replace(config, lr=5e-4), log=logged.append)

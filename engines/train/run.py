@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engines.rollout.sglang import SGLangClient, SGLangTimeout
+from engines.train.checkpointing import latest_step
 from engines.train.cluster import RemoteCallTimeout
 from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
 from engines.train.runlog import RunLog
@@ -230,6 +231,12 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
     runlog = RunLog(run_dir, sinks=open_sinks(config.metric_sinks, run_dir, config=config.to_dict()))
     runlog.check_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)  # written once data and reward pass
     last = min(until or config.steps, config.steps)
+    done = latest_step(Path(run_dir) / "checkpoints")
+    if done is not None and done >= last:  # the same command again: say so instead of starting engines for nothing
+        log(f"{run_dir} is complete: its checkpoint of step {done} covers the {last} steps asked for, so there is "
+            "nothing to train; raise steps (--steps) to train further, or give a new output directory")
+        return {"run_dir": str(run_dir), "resumed_from": done, "last_step": done, "evals": runlog.evals(),
+                "complete": True}
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer, Path(run_dir), log)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
