@@ -132,12 +132,16 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         _fail(f"--preset: {exc}")
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
-    # Paths first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet
-    problem = inputs.first_problem(inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
-                                   inputs.data_file("--train-data", train_data),
-                                   inputs.data_file("--eval-data", eval_data))
-    if problem:
-        _fail(problem)
+    # Paths and settings first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet. Every
+    # mistake of the command line at once, each under its flag (v4rl/train_flags.py)
+    from v4rl.train_flags import as_flags, setting_problems
+
+    problems = [p for p in (inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
+                            inputs.data_file("--train-data", train_data), inputs.data_file("--eval-data", eval_data))
+                if p] + setting_problems(reward=reward, eval_reward=eval_reward,
+                                         rollout_expert_dtype=rollout_expert_dtype)
+    if problems:
+        _fail("\nerror: ".join(problems))
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
 
@@ -156,7 +160,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
     except ValueError as exc:
         if created and not (out / "config.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
-        _fail(str(exc))
+        _fail(as_flags(str(exc)))
     for ev in summary["evals"]:
         typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
 
