@@ -152,6 +152,22 @@ def test_demo_summary_states_the_noise(tmp_path):
     assert lines[-1].startswith("(64 held-out problems x 8 samples per evaluation;")
 
 
+def test_the_demo_prints_its_ui_commands_unwrapped(tmp_path):
+    """On a narrow terminal the command to start the UI and its URL come out whole, one per line, as pasted."""
+    import io
+
+    from rich.console import Console
+
+    from v4rl.demo import print_unwrapped, ui_hint_lines
+
+    home = tmp_path / "a-rather-long-folder-name" / "prefect-home"
+    out = io.StringIO()
+    print_unwrapped(Console(file=out, width=40, force_terminal=False), ui_hint_lines(home))
+    lines = out.getvalue().splitlines()
+    assert f"  PREFECT_HOME={home} .venv/bin/prefect server start --host 127.0.0.1" in lines, lines
+    assert "  http://127.0.0.1:4200" in lines
+
+
 def test_demo_links_only_to_a_ui_that_exists(tmp_path):
     """Prefect's own url_for under the demo's client settings: no link for the UI-less server, a link to the served
     UI with --ui (the "View at" lines of every flow and subflow come from url_for)."""
