@@ -1,6 +1,6 @@
 """`v4rl bench e2e --json OUT [--steps N]`: `v4rl train` against TRL's GRPOTrainer, end to end, in one run.
 
-Both sides start from the same base (tests/assets/tiny-base), train on the same prompts and labels in the same
+Both sides start from the same base (engines/tiny_base), train on the same prompts and labels in the same
 order (v4rl's step schedule over the synthetic task), with the same prompts x samples per step, max new tokens,
 temperature, constant AdamW learning rate and betas, gradient clip, clip range, token-mean loss and no KL term,
 on CPU (bench/e2e_settings.py; what differs and why: bench/e2e_trl.py DIFFERENCES, also in the JSON).

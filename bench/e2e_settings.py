@@ -15,9 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from engines import TINY_BASE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BASE = REPO_ROOT / "tests" / "assets" / "tiny-base"
+DEFAULT_BASE = TINY_BASE
 
 
 @dataclass(kw_only=True)
@@ -67,7 +68,7 @@ class E2ESettings:
             raise ValueError(f"E2ESettings.prompts_per_step={self.prompts_per_step} exceeds n_train={self.n_train}")
         if not (Path(self.base) / "config.json").exists():
             raise ValueError(f"E2ESettings.base={self.base} holds no config.json; point it at an HF DeepSeek-V4 "
-                             "checkpoint (default: tests/assets/tiny-base)")
+                             "checkpoint (default: engines/tiny_base)")
 
     def eval_steps(self) -> list[int]:
         """Steps whose weights are evaluated: 0, every eval_interval, and the last.

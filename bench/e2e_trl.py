@@ -134,7 +134,7 @@ def _run(conn, settings: E2ESettings, out_dir: Path) -> None:
     rows = step_prompts(settings)
     encode = prompt_encoder(tokenizer)
     # TRL tokenizes the prompt text as given (special tokens on); v4rl prepends BOS itself. A tokenizer that adds
-    # no BOS (tests/assets/tiny-base) gets it in the text.
+    # no BOS (engines/tiny_base) gets it in the text.
     adds_bos = tokenizer(rows[0]["prompt"])["input_ids"] == encode(rows[0]["prompt"])
     texts = [r["prompt"] if adds_bos else tokenizer.bos_token + r["prompt"] for r in rows]
     for text, row in zip(texts, rows):

@@ -3,7 +3,7 @@
 One GRPO-like batch, the same for both sides: `n_sequences` samples (`n_samples_per_prompt` per math prompt from
 rl.math_task.make_splits, BOS + prompt tokenized with the checkpoint's tokenizer) with responses of 3..24 random
 tokens (ids 4..99, seeded), group-normalised advantages of random 0/1 rewards, fixed rollout logprobs for TIS.
-Both sides start from the same weights (tests/assets/tiny-base unless `model_dir` names another checkpoint;
+Both sides start from the same weights (engines/tiny_base unless `model_dir` names another checkpoint;
 transformers' DeepseekV4ForCausalLM via engines.train.hf_model.reference_from_native, one fresh copy each),
 run under BF16 autocast with fp32 master weights, and take one full GRPO step per timed run: zero_grad,
 forward + backward of every micro-batch, the same loss (rl.grpo.policy_loss with TIS, token-mean over the
@@ -46,9 +46,10 @@ import torch  # noqa: E402
 
 from bench import load_average, machine_info  # noqa: E402
 from engines.model import kernels  # noqa: E402
+from engines import TINY_BASE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO_ROOT / "tests" / "assets" / "tiny-base"
+DEFAULT_MODEL = TINY_BASE
 N_SEQUENCES, SAMPLES_PER_PROMPT = 256, 8
 RESPONSE_LEN = (3, 24)
 TOKEN_IDS = (4, 99)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from engines import TINY_BASE
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_BASE = REPO / "tests" / "assets" / "tiny-base"
 
 
 _SEED_RUN = dict(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, n_eval=30, eval_samples=8, lr=1e-6,

@@ -33,6 +33,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact
 
 from engines.train.landed import landed_evaluations
+from engines.train.run_lock import hold_run_dir
 from engines.train.stopping import clear_stop, request_stop
 
 from flows.evaluate import evaluate
@@ -82,8 +83,13 @@ def _stop_what_the_run_started(flow, flow_run, state) -> None:
 @flow(name="rl-pipeline", log_prints=True, on_cancellation=[_stop_what_the_run_started])
 def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log = get_run_logger()
+    # One flow run (or `v4rl train`) per run directory: a second one is refused here, naming the holder
+    with hold_run_dir(params.run_dir, log=log.warning):
+        return _pipeline(params, log)
+
+
+def _pipeline(params: PipelineParams, log) -> dict:
     key, run_dir = params.run_key, params.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     store = dict(store_url=params.store, prefix=f"runs/{key}", endpoint_url=params.s3_endpoint_url,
                  secret_block=params.s3_secret_block)
     artifact = key.lower().replace("_", "-").replace(".", "-")

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 # fixture imported into a test module is a separate definition there, and each started its own server.
 from tests.prefect_server import prefect_server  # noqa: E402, F401
 from tests.s3_server import moto_server, s3_bucket, s3_proxy  # noqa: E402, F401
+from engines import TINY_BASE
 
 # Nothing in the test suite may talk to anything but loopback, or phone home.
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -61,7 +62,6 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return write_random_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
 
 
-TINY_BASE = Path(__file__).parent / "assets" / "tiny-base"
 
 
 @pytest.fixture(scope="session")

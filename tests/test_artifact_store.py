@@ -467,3 +467,16 @@ def test_upload_task_with_secret_block(tmp_path, s3_bucket, s3_proxy, monkeypatc
     assert loaded == ["v4rl-s3"] and {r.access_key_id for r in s3_proxy.requests} == {key_id}
     assert out["manifest"] == f"s3://{s3_bucket.name}/v4rl/runs/r1/manifest.json"
     assert key_id not in json.dumps(out) and secret not in json.dumps(out)
+
+
+def test_the_run_directory_lock_is_not_an_artifact(tmp_path):
+    """The lock a running process holds on its run directory names that process; it is skipped, not uploaded."""
+    from engines.artifact_store import walk_run_dir
+    from engines.train.run_lock import hold_run_dir
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_text("dcp")  # a dot FILE inside a checkpoint is part of it
+    with hold_run_dir(tmp_path):
+        keys = [f.key for f in walk_run_dir(tmp_path)]
+    assert keys == ["ckpt/.metadata", "metrics.jsonl"], keys

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,8 @@ CLI_CASES = {
     "bench json folder": ("bench convert --json {B}/nodir/b.json", 2, "the folder {B}/nodir does not exist"),
     "bootstrap out file": ("bootstrap --out {B}/afile", 1, "--out {B}/afile is a file"),
     "demo workdir file": ("demo --workdir {B}/afile", 1, "--workdir {B}/afile is a file"),
+    "demo zero steps": ("demo --workdir {B}/demo --steps 0", 1,
+                        "--steps 0: Input should be greater than or equal to 1"),
 }
 
 
@@ -216,3 +220,68 @@ def test_a_run_refused_for_its_data_writes_no_config_and_the_corrected_rerun_sta
     assert (written["train_data"], written["input_key"], written["label_key"]) == (str(fixed), "question", "answer")
     with pytest.raises(ValueError, match=r"holds a different run configuration \(fields \['train_data'\]\)"):
         run_training(run_dir, dataclasses.replace(config, train_data=str(broken)), log=lambda m: None)
+
+
+def test_the_demo_refuses_an_unreachable_prefect_api_url_before_starting_anything(tmp_path, monkeypatch):
+    """PREFECT_API_URL naming a closed port: one line naming the variable and both fixes, nothing written."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from v4rl.cli import app
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{port}/api")
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "demo")])
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: PREFECT_API_URL=http://127.0.0.1:{port}/api: no Prefect server answers") \
+        and "unset PREFECT_API_URL" in lines[0], lines
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder no new file can be created in, root included (chattr +i; chmod for other users)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    else:
+        folder.chmod(0o555)
+        made = True
+    probe = folder / "probe"
+    try:
+        probe.touch()
+        probe.unlink()
+        made = False
+    except OSError:
+        pass
+    if not made:
+        pytest.skip("cannot make a folder read-only here (no chattr +i, or a filesystem without it)")
+    yield folder
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("line", ["train --out {RO}/run", "bootstrap --out {RO}/base", "demo --workdir {RO}/demo",
+                                  "convert {TINY} {RO}/td", "score --model {TINY} --input {TINY}/config.json "
+                                  "--json {RO}/o.json"], ids=["train", "bootstrap", "demo", "convert", "score"])
+def test_a_read_only_output_folder_is_one_line_before_anything_starts(line, read_only, tiny_base, monkeypatch):
+    import shlex
+
+    from typer.testing import CliRunner
+
+    import engines.train.run as run_module
+    from v4rl.cli import app
+
+    monkeypatch.setattr(run_module, "run_training", lambda *a, **k: pytest.fail("the run started"))
+    args = shlex.split(line.replace("{RO}", str(read_only)).replace("{TINY}", str(tiny_base)))
+    result = CliRunner().invoke(app, args)
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert f"cannot write in {read_only}" in lines[0] and "give a folder you can write to" in lines[0], lines

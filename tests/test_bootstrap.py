@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from engines import TINY_BASE
 
-ASSET = Path(__file__).parent / "assets" / "tiny-base"
+ASSET = TINY_BASE
 
 
 def _digests(directory: Path) -> dict[str, str]:

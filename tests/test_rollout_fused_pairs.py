@@ -2,7 +2,7 @@
 
 SGLang's DeepSeek-V4 `load_weights` runs once per `/update_weights_from_distributed` bucket and asserts its
 fused-pair caches (compressor wkv+wgate; attention wq_a+wkv weight and scale) are empty at the end of each call
-(conformance C9). Here every tensor of tests/assets/tiny-base, under the names a push sends, goes through the
+(conformance C9). Here every tensor of engines/tiny_base, under the names a push sends, goes through the
 grouping with buckets so small that a plain byte packer splits every pair; the table is also held against the
 pinned SGLang's own source (skipped when that source is absent). About 5 s.
 
@@ -24,8 +24,8 @@ from checkpoints.hf import read_config
 from engines.model.params import native_param_specs
 from engines.rollout.fused_pairs import FUSED_PAIRS, SplitPairError, fused_parameter, update_buckets
 from engines.rollout.launcher import DistributedWeightSync, init_weight_sync_group, sglang_named_tensors
+from engines import TINY_BASE
 
-TINY_BASE = Path(__file__).parent / "assets" / "tiny-base"
 
 
 def _tiny_base_push() -> list[tuple[str, torch.Tensor]]:

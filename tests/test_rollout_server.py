@@ -269,7 +269,6 @@ def test_errors_are_400_with_the_reason(served):
              ({"input_ids": p, "sampling_params": {"max_tokens": 5}}, "unknown field `max_tokens`"),
              ({"input_ids": [0, 999]}, "outside the vocabulary"),
              ({"input_ids": p, "return_logprob": True, "logprob_start_len": 500}, "higher than the number of input"),
-             ({"input_ids": p, "stream": True}, "stream"),
              ({"input_ids": []}, "input_ids"),
              ({"text": "a", "input_ids": p}, "exactly one")]
     for body, reason in cases:

@@ -35,9 +35,9 @@ from rl.grading import GraderFailed
 from rl.loop import Completion, LoopConfig, rollout_step
 from rl.math_task import make_prompt
 from rl.reward_spec import RewardCheckFailed, RewardSpecError, check_reward, check_reward_spec, resolve_reward
+from engines import TINY_BASE
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_BASE = REPO / "tests" / "assets" / "tiny-base"
 MODULE = "v4rl_test_user_rewards"
 REWARDS = textwrap.dedent('''
     """Reward functions a user would write (TRL's contract), and ones that break it."""

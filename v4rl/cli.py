@@ -26,6 +26,9 @@ column cuts names such as --prompts-per-step to `--prompts-per-…`. TERMINAL_WI
 if not os.environ.get("TERMINAL_WIDTH"):
     typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
 
+from v4rl.field_docs import field_default_and_doc  # noqa: E402
+
+SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -90,6 +93,7 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
           preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
           steps: int = typer.Option(100, min=1, help="GRPO steps of the run."),
+          save_interval: int = typer.Option(SAVE_INTERVAL[0], min=1, help=SAVE_INTERVAL[1]),
           base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
           prompts_per_step: int = typer.Option(128, min=1), n_samples: int = typer.Option(8, min=2),
           eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
@@ -142,27 +146,54 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                          rollout_expert_dtype=rollout_expert_dtype)
     if problems:
         _fail("\nerror: ".join(problems))
+    from engines.train.run_lock import RunDirBusy, hold_run_dir
+
+    created = not out.exists()
+    try:  # before torch loads: a second run on this directory is refused in a second, naming the one that has it
+        with hold_run_dir(out, log=typer.echo):
+            summary = _train_run(out, created, base=base, steps=steps, save_interval=save_interval, n_eval=n_eval,
+                                 lr=lr, use_ray=ray, tensorboard=tensorboard, wandb=wandb, train_data=train_data,
+                                 eval_data=eval_data, input_key=input_key, label_key=label_key, reward=reward,
+                                 eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
+                                 rollout_expert_dtype=rollout_expert_dtype, prompts_per_step=prompts_per_step,
+                                 n_samples=n_samples, eval_interval=eval_interval, seed=seed,
+                                 dynamic_sampling=dynamic_sampling)
+    except RunDirBusy as exc:
+        _fail(f"--out {exc}")
+    for ev in summary["evals"]:
+        typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
+
+
+def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, train_data: Path | None,
+               eval_data: Path | None, base: Path | None, prompts_per_step: int, n_samples: int, eval_interval: int,
+               seed: int, dynamic_sampling: bool, **fields) -> dict:
+    """`v4rl train` once the run directory is held: the run, or its failure or interruption in words."""
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
+    from v4rl.errors import is_run_failure, one_line_error
+    from v4rl.train_flags import as_flags
 
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
-    created = not out.exists()
     try:  # an unknown reward, an import path that does not resolve, bad data: a ValueError naming the fix
-        config = TrainRunConfig(base=str(base or DEFAULT_BASE), steps=steps, n_eval=n_eval, lr=lr, use_ray=ray,
-                                metric_sinks=sinks, train_data=str(train_data or ""), eval_data=str(eval_data or ""),
-                                input_key=input_key, label_key=label_key,
-                                reward=reward, eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
-                                rollout_expert_dtype=rollout_expert_dtype,
+        config = TrainRunConfig(base=str(base or DEFAULT_BASE), metric_sinks=sinks, train_data=str(train_data or ""),
+                                eval_data=str(eval_data or ""), **fields,
                                 loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                                 eval_interval=eval_interval, seed=seed,
                                                 dynamic_sampling=dynamic_sampling))
-        summary = run_training(out, config)
+        return run_training(out, config)
     except ValueError as exc:
         if created and not (out / "config.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
         _fail(as_flags(str(exc)))
-    for ev in summary["evals"]:
-        typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
+    except KeyboardInterrupt:
+        from engines.train.kept import kept_after_interrupt
+
+        typer.secho(f"interrupted: {kept_after_interrupt(out)}", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(code=130) from None
+    except Exception as exc:
+        if not is_run_failure(exc):
+            raise  # a bug: its traceback is what helps
+        _fail(one_line_error(exc))  # a full disk, a hung step, a stop: the cause in one line, not Ray's dump
 
 
 @app.command()
@@ -173,13 +204,22 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
                                                      "links to the run and keep it up until Ctrl-C.")) -> None:
     """The tiny-cpu rl-pipeline end to end under a local Prefect server; prints where the report is."""
     from v4rl import inputs
-    from v4rl.demo import run_demo
+    from v4rl.demo import DemoRefused, run_demo
 
     problem = inputs.output_dir("--workdir", workdir)
     if problem:
         _fail(problem)
+    try:
+        code = run_demo(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui)
+    except DemoRefused as exc:
+        _fail(str(exc))
+    except Exception as exc:
+        from v4rl.errors import is_run_failure, one_line_error
 
-    sys.exit(run_demo(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui))
+        if not is_run_failure(exc):
+            raise  # a bug: its traceback is what helps
+        _fail(one_line_error(exc))
+    sys.exit(code)
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.

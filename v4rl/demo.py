@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from engines import TINY_BASE
 
-ASSET = Path(__file__).resolve().parent.parent / "tests" / "assets" / "tiny-base"
+ASSET = TINY_BASE
 QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1", "RAY_USAGE_STATS_ENABLED": "0",
              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -44,23 +45,48 @@ def print_unwrapped(console: Console, lines: list[str]) -> None:
         console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
+class DemoRefused(ValueError):
+    """The demo cannot start as asked (a bad option, an unreachable PREFECT_API_URL, a busy work dir): one line that
+    names the option or variable and the fix; nothing was started."""
+
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C, as a shell reports a process ended by SIGINT."""
+
+
 def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 10, ui: bool = False) -> int:
+    from engines.train.run_lock import RunDirBusy, hold_run_dir
+
     console = Console()
     workdir = workdir.resolve()
     os.environ.update({k: os.environ.get(k, v) for k, v in QUIET_ENV.items()})
+    # Everything the options can get wrong, before a checkpoint is bootstrapped or a server started
+    _demo_params(workdir, ASSET, seed, steps)
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        _check_prefect_api(api)
+    try:
+        with hold_run_dir(workdir, log=console.print):
+            return _run(workdir, seed=seed, fresh=fresh, steps=steps, ui=ui, console=console)
+    except RunDirBusy as exc:
+        raise DemoRefused(f"--workdir {exc}") from None
+
+
+def _run(workdir: Path, *, seed: int, fresh: bool, steps: int, ui: bool, console: Console) -> int:
     base = _base_checkpoint(workdir, seed, fresh, console)
-    server = None
+    params = _demo_params(workdir, base, seed, steps)
+    server = home = None
     if not os.environ.get("PREFECT_API_URL"):
         server, home = _start_prefect(workdir / "prefect-home", console, ui=ui)
     try:
-        from flows.params import PipelineParams
         from flows.rl_pipeline import rl_pipeline
 
-        params = PipelineParams.preset_defaults("tiny-cpu", run_key="demo", runs_root=str(workdir),
-                                                hf_checkpoint=str(base), steps=steps, eval_interval=max(1, steps // 2),
-                                                prompts_per_step=32, n_eval=64, seed=seed)
         console.print(f"[bold]rl-pipeline[/] {steps} GRPO steps on tiny-cpu (run dir {params.run_dir})")
-        result = rl_pipeline(params)
+        try:
+            result = rl_pipeline(params)
+        except KeyboardInterrupt:  # Prefect marked the flow run Crashed and the training stopped on the way here
+            _say_interrupted(console, params.run_dir, home)
+            return INTERRUPTED
         summary = result["summary"]
         console.print(f"\n[bold green]done[/]: report {params.run_dir / 'report.md'}, artifacts {params.store}")
         for line in pass_at_k_lines(params.run_dir):
@@ -80,6 +106,47 @@ def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 
             _flush_prefect_workers()  # while the server still answers; at exit they would find it gone
             server.terminate()
             server.wait(timeout=30)
+
+
+def _demo_params(workdir: Path, base: Path, seed: int, steps: int):
+    """The demo's rl-pipeline parameters; a value they refuse is a DemoRefused naming the demo's option."""
+    from pydantic import ValidationError
+
+    from flows.params import PipelineParams
+
+    try:
+        return PipelineParams.preset_defaults("tiny-cpu", run_key="demo", runs_root=str(workdir),
+                                              hf_checkpoint=str(base), steps=steps,
+                                              eval_interval=max(1, steps // 2), prompts_per_step=32, n_eval=64,
+                                              seed=seed)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else ""
+        option = {"steps": "--steps", "seed": "--seed", "runs_root": "--workdir"}.get(field, field)
+        message = error["msg"].removeprefix("Value error, ")
+        raise DemoRefused(f"{option} {error.get('input')!r}: {message}" if option else message) from None
+
+
+def _check_prefect_api(api: str) -> None:
+    """PREFECT_API_URL must answer, or the flow fails after minutes with a long client traceback."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(api.rstrip("/") + "/health", timeout=5):
+            return
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise DemoRefused(f"PREFECT_API_URL={api}: no Prefect server answers there ({reason}); start it "
+                          "(.venv/bin/prefect server start --host 127.0.0.1) or unset PREFECT_API_URL, and the demo "
+                          "starts its own") from None
+
+
+def _say_interrupted(console: Console, run_dir: Path, home: Path | None) -> None:
+    from engines.train.kept import kept_after_interrupt
+
+    where = f"the demo's Prefect server (PREFECT_HOME={home})" if home else os.environ.get("PREFECT_API_URL")
+    console.print(f"\n[yellow]interrupted[/]: the rl-pipeline flow run is marked Crashed in {where}; "
+                  f"{kept_after_interrupt(run_dir)}", soft_wrap=True)  # one line: paths paste whole
 
 
 def pass_at_k_lines(run_dir: Path) -> list[str]:
@@ -121,7 +188,7 @@ def _flush_prefect_workers() -> None:
     from prefect.logging.handlers import APILogWorker
 
     APILogWorker.drain_all(timeout=10)
-    EventsWorker.drain_all()
+    EventsWorker.drain_all(timeout=10)
 
 
 def _base_checkpoint(workdir: Path, seed: int, fresh: bool, console: Console) -> Path:
@@ -161,7 +228,8 @@ def _start_prefect(home: Path, console: Console, *, ui: bool = False):
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(port), "PREFECT_UI_API_URL": api}
     log = open(home / "server.log", "a")  # noqa: SIM115 - owned by the server process
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port)] + ([] if ui else ["--no-ui"]), env=env, stdout=log, stderr=subprocess.STDOUT)
+                             str(port)] + ([] if ui else ["--no-ui"]), env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # Ctrl-C reaches the demo only: the server records the end
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -66,27 +66,48 @@ def output_file(option: str, path: Path | None, *, parents_made: bool = False) -
     if path.is_dir():
         return f"{option} {path} is a directory; give a file name (e.g. {path / 'out.json'})"
     if parents_made:
-        file_parent = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        return f"{option} {path}: {file_parent} is a file, not a folder" if file_parent else None
+        return _nearest_folder_problem(option, path, path.parents)
     if not path.parent.exists():
         return f"{option} {path}: the folder {path.parent} does not exist; create it (mkdir -p {path.parent})"
     if not path.parent.is_dir():
         return f"{option} {path}: {path.parent} is a file, not a folder"
-    return None
+    reason = _not_writable(path.parent)
+    return f"{option} {path}: cannot write in {path.parent} ({reason}); give a folder you can write to" \
+        if reason else None
 
 
 def output_dir(option: str, path: Path | None) -> str | None:
-    """A directory the command creates or resumes: must not be an existing file."""
+    """A directory the command creates or resumes: must not be an existing file, and it (or the folder it is
+    created in) must take a new file: a read-only folder or filesystem is found now, not at the first write."""
     if path is None:
         return None
     if path.exists() and not path.is_dir():
         return f"{option} {path} is a file; give a directory (it is created if missing)"
-    for parent in path.parents:
+    return _nearest_folder_problem(option, path, (path, *path.parents))
+
+
+def _nearest_folder_problem(option: str, path: Path, candidates) -> str | None:
+    """The first existing one of `candidates` (path's folder, then its parents) must be a folder that takes files."""
+    for parent in candidates:
         if parent.exists():
             if not parent.is_dir():
                 return f"{option} {path}: {parent} is a file, not a folder"
-            break
+            reason = _not_writable(parent)
+            return f"{option} {path}: cannot write in {parent} ({reason}); give a folder you can write to" \
+                if reason else None
     return None
+
+
+def _not_writable(folder: Path) -> str | None:
+    """Why a new file cannot be created in `folder` (None: it can). Tried for real, not os.access: root passes
+    os.access on a read-only mount or an immutable folder."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".v4rl-write-check-"):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 def first_problem(*problems: str | None) -> str | None:

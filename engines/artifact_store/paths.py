@@ -120,12 +120,17 @@ def _is_within(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+RUN_LOCK = ".v4rl-lock"
+"""The run-directory lock's file name (engines/train/run_lock.py takes it): bookkeeping of the process running
+now, never an artifact."""
+
+
 def walk_run_dir(run_dir: str | os.PathLike, *, exclude: tuple[str, ...] = ()) -> list[RunFile]:
     """Every regular file under `run_dir`, sorted by key.
 
     Skipped: in-progress temporaries (directories whose name starts with '.', as a checkpoint being written,
-    and files ending in '.tmp', as an atomic write in flight), the top-level manifest.json (it is derived),
-    and keys matching an `exclude` glob. Symlinks are followed only when they stay inside the run directory;
+    and files ending in '.tmp', as an atomic write in flight), the top-level manifest.json (it is derived) and
+    RUN_LOCK (the run-directory lock, which names the process holding it), and keys matching an `exclude` glob. Symlinks are followed only when they stay inside the run directory;
     one that leaves it is a ValueError naming it.
     """
     root = Path(run_dir).expanduser().resolve()
@@ -152,7 +157,7 @@ def walk_run_dir(run_dir: str | os.PathLike, *, exclude: tuple[str, ...] = ()) -
                 visited.add(real)
                 visit(path, (*rel, entry.name))
             elif entry.is_file():
-                if entry.name.endswith(".tmp") or key == "manifest.json":
+                if entry.name.endswith(".tmp") or key in ("manifest.json", RUN_LOCK):
                     continue
                 if any(fnmatch.fnmatchcase(key, pat) for pat in exclude):
                     continue

@@ -85,7 +85,8 @@ class RequestOutput:
     rid: str
     input_ids: list[int]
     output_ids: list[int]
-    finish_reason: dict[str, Any]
+    finish_reason: dict[str, Any] | None
+    """SGLang's finish reason; None in a snapshot of a request still running (RolloutEngine.submit's progress)."""
     output_logprobs: list[float]
     output_top_logprobs: list[list[tuple[float, int]]]
     input_logprobs: list[float | None]

@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     UpdateResult,
     weight_version_spans,
 )
+from engines.rollout.limits import check_request_length, output_cap, scheduler_refusal
 from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
 from engines.rollout.weights import (
@@ -76,8 +78,9 @@ log = logging.getLogger("v4rl.rollout")
 class _Request:
     """Scheduler-side state of one request."""
 
-    def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future) -> None:
-        self.spec, self.stop_ids, self.future = spec, stop_ids, future
+    def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future,
+                 progress: Callable[[RequestOutput], None] | None = None) -> None:
+        self.spec, self.stop_ids, self.future, self.progress = spec, stop_ids, future, progress
         self.stream = UniformStream(torch.Generator().manual_seed(spec.seed % (2**63)))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -144,12 +147,16 @@ class RolloutEngine:
         """Seconds from construction to a running scheduler (weights read, runtime copies built)."""
 
     # ================================================================== thread-safe API
-    def submit(self, specs: Sequence[RequestSpec]) -> list[Future]:
-        """Queue requests; each future resolves to a RequestOutput (aborted ones included)."""
+    def submit(self, specs: Sequence[RequestSpec], progress: Callable[[int, RequestOutput], None] | None = None
+               ) -> list[Future]:
+        """Queue requests; each future resolves to a RequestOutput (aborted ones included). `progress(i, output)`,
+        if given, runs on the scheduler thread after every token of specs[i] but its last (a snapshot whose
+        finish_reason is None), for streaming; it must return at once (hand the output to another thread)."""
         for s in specs:
             self._validate(s)
         futures: list[Future] = [Future() for _ in specs]
-        pending = [_Request(s, self._stop_ids(s), f) for s, f in zip(specs, futures)]
+        pending = [_Request(s, self._stop_ids(s), f, None if progress is None else partial(progress, i))
+                   for i, (s, f) in enumerate(zip(specs, futures))]
 
         def failed(cmd: Future) -> None:  # engine stopped before the requests were queued
             if cmd.exception() is not None:
@@ -295,9 +302,7 @@ class RolloutEngine:
         bad = [t for t in s.input_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"request {s.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
-        if n >= self.context_length:  # outputs stop at the context length with finish_reason length
-            raise ValueError(f"request {s.rid}: {n} prompt tokens leave no room in the context length "
-                             f"{self.context_length}")
+        check_request_length(prompt_tokens=n, max_new_tokens=None, context_length=self.context_length)
         if not -1 <= s.logprob_start_len <= n:
             raise ValueError(f"request {s.rid}: logprob_start_len {s.logprob_start_len} must be -1 or in [0, {n}]")
         if s.stop_strings and self.tokenizer is None:
@@ -305,7 +310,9 @@ class RolloutEngine:
                              "use stop_token_ids")
 
     def _stop_ids(self, s: RequestSpec) -> frozenset[int]:
-        return frozenset(s.sampling.stop_token_ids) | (frozenset() if s.sampling.ignore_eos else self.eos_ids)
+        """The tokens min_new_tokens bans (with ignore_eos too, as SGLang's penalizer) and that end a request
+        unless ignore_eos."""
+        return frozenset(s.sampling.stop_token_ids) | self.eos_ids
 
     # ================================================================== scheduler thread
     def _loop(self) -> None:
@@ -346,8 +353,13 @@ class RolloutEngine:
         try:
             room = self.config.max_running_requests - len(self._running)
             while self._waiting and room > 0 and not self._deferred:
-                admitted.append(self._waiting.popleft())
-                room -= 1
+                r = self._waiting.popleft()
+                refused = scheduler_refusal(len(r.spec.input_ids), self.context_length)
+                if refused is None:
+                    admitted.append(r)
+                    room -= 1
+                else:
+                    self._finish(r, refused)
             if admitted:
                 self._prefill(admitted)
             if self._running:
@@ -448,6 +460,8 @@ class RolloutEngine:
             reason = self._finish_reason(r, tok)
             if reason is None:
                 keep.append(r)
+                if r.progress is not None:
+                    r.progress(self._output(r, None))
             else:
                 self._finish(r, reason)
         self._keep_running(keep)
@@ -471,33 +485,36 @@ class RolloutEngine:
         self._running = keep
 
     def _finish_reason(self, r: _Request, tok: int) -> dict[str, Any] | None:
-        """SGLang's order: length first, then stop tokens, then stop strings."""
-        n = len(r.output_ids)
-        if n >= r.spec.sampling.max_new_tokens or len(r.spec.input_ids) + n >= self.context_length:
-            return {"type": "length", "length": n}
-        if n < r.spec.min_new_tokens:
-            return None
-        if tok in r.stop_ids:
-            return {"type": "stop", "matched": tok}
+        """SGLang 0.5.23's order (limits.py): stop strings (min_new_tokens does not hold them back), then stop
+        tokens (banned below min_new_tokens; ignored with ignore_eos), then the length cap."""
         if r.spec.stop_strings:
             text = self.tokenizer.decode(r.output_ids)
             for s in r.spec.stop_strings:
                 if s in text:
                     return {"type": "stop", "matched": s}
+        if tok in r.stop_ids and not r.spec.sampling.ignore_eos:
+            return {"type": "stop", "matched": tok}
+        cap = output_cap(len(r.spec.input_ids), r.spec.sampling.max_new_tokens, self.context_length)
+        if len(r.output_ids) >= cap:
+            return {"type": "length", "length": cap}
         return None
 
-    def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
-        r.next_logits = None
+    def _output(self, r: _Request, reason: dict[str, Any] | None) -> RequestOutput:
+        """The request's result so far; a snapshot (list copies) while it runs, its own lists once finished."""
         spans = weight_version_spans(r.version_changes, self.weight_version, len(r.output_ids))
-        out = RequestOutput(
-            rid=r.spec.rid, input_ids=r.spec.input_ids, output_ids=r.output_ids, finish_reason=reason,
-            output_logprobs=r.output_logprobs, output_top_logprobs=r.output_top,
+        copy = list if reason is None else (lambda x: x)
+        return RequestOutput(
+            rid=r.spec.rid, input_ids=r.spec.input_ids, output_ids=copy(r.output_ids), finish_reason=reason,
+            output_logprobs=copy(r.output_logprobs), output_top_logprobs=copy(r.output_top),
             input_logprobs=r.input_logprobs or [], input_top_logprobs=r.input_top,
             cached_tokens=r.cached_tokens, num_retractions=r.num_retractions,
             weight_version=spans[-1]["version"],  # the weights of its last tokens (SGLang's meta_info)
             e2e_latency=time.monotonic() - r.created, weight_versions=spans)
+
+    def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
+        r.next_logits = None
         if not r.future.done():
-            r.future.set_result(out)
+            r.future.set_result(self._output(r, reason))
 
     # ------------------------------------------------------------------ control (scheduler thread)
     def _abort_where(self, match: Callable[[_Request], bool], message: str) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from engines.engine_sources import sglang_version
 from engines.rollout.engine import RolloutEngine
+from engines.rollout.limits import max_req_input_len
 
 MODEL_TYPE = "deepseek_v4"
 ARCHITECTURES = ["DeepseekV4ForCausalLM"]
@@ -57,7 +58,8 @@ class ServingState:
 
     def server_info(self, status: dict[str, Any]) -> dict[str, Any]:
         cfg = self.engine.config
-        return {**self.startup_args, "status": "ready", "max_req_input_len": self.engine.context_length - 1,
+        return {**self.startup_args, "status": "ready",
+                "max_req_input_len": max_req_input_len(self.engine.context_length),
                 "startup_time": {"load_weight": self.engine.load_seconds}, "internal_states": [status],
                 "version": sglang_version(),
                 "v4rl": {"backend": "v4rl-embedded", "rocm_fnuz": cfg.rocm_fnuz,

@@ -15,7 +15,7 @@ expands every item into n samples, item-major. As in SGLang:
   - an unknown sampling key is refused with SGLang's contract text, `{"error": "unknown field `x`, expected
     one of ..."}` (its generated decoder, `sglang/api/v1/api_types.py`); other refusals are
     `{"error": {"message": ...}}`, SGLang's shape for a ValueError.
-Features the embedded engine does not have (penalties, grammars, logit_bias, min_p, streaming, LoRA,
+Features the embedded engine does not have (penalties, grammars, logit_bias, min_p, LoRA,
 routed-expert capture, beam search, ...) are refused when set to anything but "unset", never ignored.
 
 Response per item: `{"text", "output_ids", "meta_info"}` with `meta_info` = `id`, `finish_reason`
@@ -41,6 +41,7 @@ import uuid
 from typing import Any
 
 from engines.rollout.engine import RequestOutput, RequestSpec
+from engines.rollout.limits import ContextLengthError, check_request_length
 from engines.rollout.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -57,7 +58,7 @@ TOP_K_ALL = 1 << 30
 """SGLang's top_k for "the whole vocabulary" (its schema's default); -1 here."""
 UNLIMITED_NEW_TOKENS = 1 << 30
 """A null max_new_tokens: generate until a stop or the context length (SGLang's reading)."""
-UNSUPPORTED_REQUEST = ("stream", "lora_path", "input_embeds", "image_data", "video_data", "audio_data",
+UNSUPPORTED_REQUEST = ("lora_path", "input_embeds", "image_data", "video_data", "audio_data",
                        "return_routed_experts", "return_indexer_topk", "return_entropy", "custom_logit_processor",
                        "token_ids_logprob", "return_hidden_states", "session_params", "return_sampling_mask")
 """Top-level GenerateReqInput fields refused when truthy (an empty list or dict counts as unset)."""
@@ -85,8 +86,10 @@ def unknown_field_message(key: str, fields: tuple[str, ...] = SAMPLING_FIELDS) -
     return f"unknown field `{key}`, expected one of {listed}"
 
 
-def parse_generate(body: Any, tokenizer=None) -> tuple[list[RequestSpec], bool, dict[str, Any]]:
-    """GenerateReqInput JSON -> (one RequestSpec per sample, whether the answer is a list, response options)."""
+def parse_generate(body: Any, tokenizer=None, context_length: int | None = None
+                   ) -> tuple[list[RequestSpec], bool, dict[str, Any]]:
+    """GenerateReqInput JSON -> (one RequestSpec per sample, whether the answer is a list, response options).
+    With `context_length`, every prompt passes SGLang's tokenizer-manager length gate (limits.py)."""
     if not isinstance(body, dict):
         raise RequestError("the /generate body must be a JSON object")
     for key in UNSUPPORTED_REQUEST:
@@ -112,6 +115,8 @@ def parse_generate(body: Any, tokenizer=None) -> tuple[list[RequestSpec], bool, 
     per_sample: list[dict[str, Any]] = []  # what shapes each sample's response (text, logprob fields)
     for i, ids in enumerate(prompts):
         sampling, seed, min_new, stop = _sampling(params[i], tokenizer)
+        if context_length is not None:
+            _check_length(ids, params[i], sampling, context_length)
         wants_logprob = bool(return_logprob[i])
         first = _logprob_start(_int(start[i], "logprob_start_len"), len(ids)) if wants_logprob else -1
         for j in range(n):
@@ -127,6 +132,15 @@ def parse_generate(body: Any, tokenizer=None) -> tuple[list[RequestSpec], bool, 
     options = {"return_text_in_logprobs": bool(body.get("return_text_in_logprobs") or False),
                "samples": per_sample}
     return specs, batched or n > 1, options
+
+
+def _check_length(ids: list[int], params: dict[str, Any], sampling: SamplingParams, context_length: int) -> None:
+    # SGLang reads the request's own dict: omitted or null max_new_tokens skips the prompt + output check
+    max_new = None if params.get("max_new_tokens") is None else sampling.max_new_tokens
+    try:
+        check_request_length(prompt_tokens=len(ids), max_new_tokens=max_new, context_length=context_length)
+    except ContextLengthError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def sample_seed(seed: int, sample: int, input_ids: list[int]) -> int:
@@ -253,12 +267,14 @@ def _default(p: dict[str, Any], key: str, default: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------- responses
 def build_response(outputs: list[RequestOutput], batched: bool, options: dict[str, Any], tokenizer=None) -> Any:
-    items = [_item(o, sample, options["return_text_in_logprobs"], tokenizer)
+    items = [response_item(o, sample, options["return_text_in_logprobs"], tokenizer)
              for o, sample in zip(outputs, options["samples"])]
     return items if batched else items[0]
 
 
-def _item(o: RequestOutput, sample: dict[str, Any], with_text: bool, tokenizer) -> dict[str, Any]:
+def response_item(o: RequestOutput, sample: dict[str, Any], with_text: bool, tokenizer) -> dict[str, Any]:
+    """One sample's `{"text", "output_ids", "meta_info"}`; of a running request (finish_reason None): SGLang's
+    streamed chunk, cumulative (text and ids so far, logprobs so far), without e2e_latency."""
     def entry(logprob: float | None, tok: int) -> list[Any]:
         return [logprob, tok, tokenizer.decode([tok]) if with_text and tokenizer is not None else None]
 
@@ -276,15 +292,26 @@ def _item(o: RequestOutput, sample: dict[str, Any], with_text: bool, tokenizer) 
             meta["input_top_logprobs"] = [None if row is None else [entry(lp, t) for lp, t in row]
                                           for row in o.input_top_logprobs]
             meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in o.output_top_logprobs]
+    if o.finish_reason is None:
+        del meta["e2e_latency"]
     return {"text": _text(o, sample, tokenizer), "output_ids": o.output_ids, "meta_info": meta}
 
 
 def _text(o: RequestOutput, params: dict[str, Any], tokenizer) -> str:
+    """SGLang's detokenizer text: a matched stop string cut off (`no_stop_trim`: kept, and the text ends right
+    after it), a matched stop token left out of the text unless `no_stop_trim` (output_ids keep every token
+    either way). A running request's text (a streamed chunk) is untrimmed and holds back a trailing incomplete
+    UTF-8 character, as SGLang's incremental detokenizer does."""
     if tokenizer is None:
         return ""
     skip = params.get("skip_special_tokens")
-    text = tokenizer.decode(o.output_ids, skip_special_tokens=True if skip is None else bool(skip))
-    matched = o.finish_reason.get("matched")
-    if isinstance(matched, str) and not params.get("no_stop_trim") and matched in text:
-        text = text[:text.index(matched)]
+    keep_stop = bool(params.get("no_stop_trim"))
+    matched = (o.finish_reason or {}).get("matched")
+    ids = o.output_ids[:-1] if isinstance(matched, int) and not keep_stop and o.output_ids else o.output_ids
+    text = tokenizer.decode(ids, skip_special_tokens=True if skip is None else bool(skip))
+    if o.finish_reason is None:
+        return text.rstrip("\ufffd")
+    if isinstance(matched, str) and matched in text:
+        end = text.index(matched)
+        text = text[:end + len(matched)] if keep_stop else text[:end]
     return text

@@ -1,7 +1,9 @@
 """SGLang-compatible HTTP server over the embedded rollout engine (SGLang 0.5.23's native API and semantics).
 
 Routes (bodies, defaults and replies as SGLang's `entrypoints/http_server.py`; reference/conformance.md part B):
-  POST /generate                    see protocol.py (null = default, empty grammar = unset, rid expansion, ...)
+  POST /generate                    see protocol.py (null = default, empty grammar = unset, rid expansion, ...),
+                                    limits.py (context-length gates, finish order) and, with `"stream": true`,
+                                    streaming.py (SGLang's server-sent events)
   GET  /health, /health_generate    both run SGLang's one-token generation probe: 200 once the scheduler
                                     answers anything, 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), e.g.
                                     while paused; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 makes /health
@@ -64,7 +66,9 @@ from engines.rollout import control
 from engines.rollout.engine import EngineStopped, RolloutEngine
 from engines.rollout.health import HealthProbe
 from engines.rollout.info import ServingState
+from engines.rollout.limits import http_status_of
 from engines.rollout.protocol import RequestError, build_response, parse_generate
+from engines.rollout.streaming import stream_generate
 from engines.rollout.weights_checker import WeightsChecker
 
 log = logging.getLogger("v4rl.rollout")
@@ -155,7 +159,9 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
             body = await request.json()
         except ValueError as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
-        specs, batched, options = parse_generate(body, engine.tokenizer)
+        if isinstance(body, dict) and body.get("stream"):
+            return stream_generate(engine, body)
+        specs, batched, options = parse_generate(body, engine.tokenizer, engine.context_length)
         try:
             futures = [asyncio.wrap_future(f) for f in engine.submit(specs)]
         except ValueError as exc:
@@ -173,6 +179,12 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
             raise
         except RuntimeError as exc:
             return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
+        for out in outputs:  # an abort carrying a status (the scheduler's length gate) answers the whole request
+            status = http_status_of(out.finish_reason)
+            if status == 400:
+                raise RequestError(out.finish_reason["message"])
+            if status is not None:
+                return JSONResponse({"detail": out.finish_reason["message"]}, status_code=status)
         return build_response(outputs, batched, options, engine.tokenizer)
 
     @app.post("/abort_request")

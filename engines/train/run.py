@@ -26,14 +26,16 @@ from engines.rollout.sglang import SGLangClient, SGLangTimeout
 from engines.train.checkpointing import latest_step
 from engines.train.cluster import RemoteCallTimeout
 from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
+from engines.train.run_lock import hold_run_dir
 from engines.train.runlog import RunLog
 from engines.train.sinks import check_sink_names, open_sinks
 from engines.train.stopping import StopRequest, TrainingStopped
 from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
+from engines import TINY_BASE
 
-DEFAULT_BASE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny-base"
+DEFAULT_BASE = TINY_BASE
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
@@ -54,7 +56,8 @@ class TrainRunConfig:
     steps: int = 100
     """GRPO steps of the whole run."""
     save_interval: int = 10
-    """Training checkpoint every this many steps (and at the last step)."""
+    """Training checkpoint every this many steps (and at the last step). An interrupted or failed run resumes after
+    the last one and trains the steps past it again: a smaller interval loses fewer steps, each save costs time."""
     n_eval: int = 200
     """Held-out problems per evaluation (disjoint from the training prompts)."""
     n_train: int = 4000
@@ -121,6 +124,9 @@ class TrainRunConfig:
         self.metric_sinks = check_sink_names(self.metric_sinks)
         self.reward = check_reward_spec(self.reward, "reward")
         self.eval_reward = check_reward_spec(self.eval_reward, "eval_reward")
+        if self.save_interval < 1:
+            raise ValueError(f"save_interval={self.save_interval}: give 1 or more (a checkpoint every that many "
+                             "steps, and at the last step)")
         if self.rollout_expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"rollout_expert_dtype={self.rollout_expert_dtype!r} is not a routed-expert storage the "
                              f"rollout engine serves; choose one of {', '.join(EXPERT_DTYPES)}")
@@ -222,7 +228,14 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
                  log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None,
                  stop: StopRequest | None = None) -> dict:
     """Train (or resume) the run in run_dir up to step `until` (default: config.steps); a set `stop` ends it
-    (TrainingStopped) at once, its workers killed."""
+    (TrainingStopped) at once, its workers killed. The run directory is locked meanwhile (RunDirBusy names the
+    process that holds it)."""
+    with hold_run_dir(run_dir, log=log):
+        return _train(run_dir, config, until=until, log=log, on_step=on_step, stop=stop)
+
+
+def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, log: Callable[[str], None],
+           on_step: Callable[[int, dict], None] | None, stop: StopRequest | None) -> dict:
     from transformers import AutoTokenizer
 
     from engines.train.actors import HTTPRollout
@@ -271,6 +284,9 @@ def run_training(run_dir: str | Path, config: TrainRunConfig, *, until: int | No
         if start:
             log(f"resuming at step {start + 1} (checkpoint step {start}; dropped {dropped} metric rows past it"
                 + (f" and the evaluations of steps {stale})" if stale else ")"))
+        elif dropped or stale:  # an earlier run stopped before its first checkpoint: say that this one starts over
+            log(f"starting over at step 1: {Path(run_dir) / 'checkpoints'} has no checkpoint; dropped {dropped} "
+                "metric rows of an earlier run" + (f" and the evaluations of steps {stale}" if stale else ""))
         if not fresh:  # the served export may be newer than the checkpoint the trainer resumed from
             _sync(call, trainer, rollout, Path(run_dir), start)
         if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:

@@ -343,13 +343,13 @@ def run_program(url: str, prompt: str, choices: list[str]) -> dict[str, Any]:
             "meta": state.get_meta_info("answer"), "model_path": backend.get_model_name()}
 
 
-def send_one(url: str, prompt: str) -> dict[str, Any]:
+def send_one(url: str, prompt: str, stream: bool = False) -> dict[str, Any]:
     from sglang.test.send_one import BenchArgs, send_one_prompt
 
     printed = io.StringIO()
     with redirect_stdout(printed):
         acc_length, speed = send_one_prompt(BenchArgs(base_url=url, prompt=prompt, max_new_tokens=8, temperature=0.0,
-                                                      return_logprob=True, seed=1))
+                                                      return_logprob=True, seed=1, stream=stream))
     return {"acc_length": acc_length, "speed": speed, "printed": printed.getvalue()}
 
 

@@ -34,7 +34,7 @@ from engines.model.layers import rope_inv_freq
 from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
 from engines.rollout.launcher import sglang_named_tensors
 
-ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny-base"
+ASSET = TINY_BASE
 FP4_EXPERTS = {"tiny-base": True, "bf16": None, "update-fp8-experts": False, "export-hf-fp8": True,
                "export-hf-bf16": None, "flash-config": None}
 """What SGLang's `try_detect_fp4_experts` must say per kind: True = packed FP4, False = FP8 experts, None = no
@@ -50,6 +50,7 @@ from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sglang.srt.utils.hf_transformers.common import get_rope_config
 from sglang.srt.utils.hf_transformers.config import get_config
 from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+from engines import TINY_BASE
 
 KEYS = json.loads(sys.argv[1])
 out = {}

@@ -2,7 +2,7 @@
 
   - an `sgl.function` program through `RuntimeEndpoint`: `sgl.gen` (which always sends `stop_regex: []`, the
     request v4rl's server used to refuse) and `sgl.select` (prompt scoring with text in the logprobs);
-  - `sglang.test.send_one.send_one_prompt`, SGLang's one-prompt smoke client;
+  - `sglang.test.send_one.send_one_prompt`, SGLang's one-prompt smoke client, plain and with `--stream`;
   - `sglang.test.kl_test_utils`: decode logprobs against prefill rescoring of the same tokens, plain and after
     a prefill cache hit, under SGLang's own KL estimate and a bound of KL_BOUND (our engine is exact in fp32).
 The decode-cache-hit variant is not run: v4rl's prefix cache matches whole sequences, not radix prefixes.
@@ -50,6 +50,19 @@ def test_send_one_prompt(v4rl_url, sglang_worker):
         tokens = ours.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
     n = tokens["meta_info"]["completion_tokens"]
     assert re.search(rf"\|\s*[\d.]+\s*\|\s*{n}\s*\|", out["printed"]), out["printed"]  # latency, tokens
+
+
+def test_send_one_prompt_streamed(v4rl_url, sglang_worker):
+    """`send_one --stream` parses v4rl's server-sent events as SGLang's: it prints each chunk's new text (the
+    cumulative text past what it printed), and reads the last chunk's meta_info (it crashed on the refusal)."""
+    out = sglang_worker.call("send_one", url=v4rl_url, prompt=PROMPT, stream=True, timeout=300)
+    assert out["acc_length"] == 1.0 and out["speed"] > 0
+    with SGLangClient(v4rl_url) as ours:
+        whole = ours.generate({"text": PROMPT, "return_logprob": True,
+                               "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert out["printed"].startswith(whole["text"])  # the streamed pieces join into the unstreamed text
+    n = whole["meta_info"]["completion_tokens"]
+    assert re.search(rf"\|\s*[\d.]+\s*\|\s*{n}\s*\|", out["printed"]), out["printed"]
 
 
 def test_kl_logprob_checks(v4rl_url, sglang_worker, tmp_path, tiny_checkpoint):

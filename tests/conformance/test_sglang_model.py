@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from engines.rollout.sglang_model_check import Case, CaseResult, Mode, Update, run_cases, tiny_checkpoints
+from engines import TINY_BASE
 
-ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny-base"
+ASSET = TINY_BASE
 BF16_WO_A = Mode("wo_a-bf16")
 FP8_WO_A = Mode("wo_a-fp8", wo_a_gemm=True)
 UE8M0 = Mode("ue8m0", ue8m0=True)

@@ -1,0 +1,177 @@
+"""A new user's Ctrl-C, second run and full disk (issue 25, items 7-10), through the real `v4rl` command in a child
+process (own session; SIGINT sent to its whole process group, as a terminal does):
+
+- Ctrl-C during `v4rl train`: exit 130 within seconds, one line saying which checkpoint was kept and where the same
+  command resumes, and the rerun does resume there;
+- a second `v4rl train` on a run directory in use is refused in seconds, naming the PID and command holding it; a
+  lock left by a killed process is taken over with a note;
+- Ctrl-C during `v4rl demo`: it ends within seconds, its flow run is Crashed (not Running) in the demo's own
+  database, its Prefect server is gone, and it says what was kept;
+- a full disk at checkpoint time, inside the Ray trainer actor: one line, the cause's message, no Ray dump.
+
+A minute or two each on a loaded 2-core machine (the demo test: its conversion and alignment come first).
+
+    .venv/bin/python -m pytest tests/test_interrupt_and_lock.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.train.checkpointing import FAULT_ENV, latest_step
+from engines.train.run_lock import LOCK_NAME, RunDirBusy, hold_run_dir
+
+pytestmark = pytest.mark.faults
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TRAIN = ["--prompts-per-step", "4", "--n-samples", "2", "--n-eval", "4", "--eval-interval", "2",
+              "--save-interval", "2"]
+
+
+class _Command:
+    """`v4rl ARGS` in a child process of its own session, its output in a file."""
+
+    def __init__(self, tmp_path: Path, name: str, *args: str, env: dict | None = None) -> None:
+        self.log = tmp_path / f"{name}.log"
+        environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, text: str, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert self.proc.poll() is None, f"exited ({self.proc.returncode}) before {text!r}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout:.0f}s:\n{self.output()}"
+            time.sleep(0.2)
+
+    def ctrl_c(self, within: float) -> float:
+        """SIGINT to the whole process group; the seconds it took to exit (fails past `within`)."""
+        start = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(within)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"still running {within:.0f}s after one Ctrl-C:\n{self.output()}") from None
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    return subprocess.run([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_ctrl_c_during_train_says_what_was_kept_a_second_run_is_refused_and_the_rerun_resumes(tmp_path, tiny_base):
+    out = tmp_path / "run"
+    first = _Command(tmp_path, "first", "train", "--out", str(out), "--steps", "60", "--no-ray", *TINY_TRAIN)
+    try:
+        first.wait_for("step 3:")
+        started = time.monotonic()
+        second = _run("train", "--out", str(out), "--steps", "60", "--no-ray", *TINY_TRAIN, timeout=120)
+        assert time.monotonic() - started < 30, "the second run was not refused at once"
+        assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"is in use by PID {first.proc.pid} (" in lines[0], lines
+        assert "v4rl.cli train" in lines[0], lines
+        assert "step 1:" not in second.stdout  # nothing trained
+        took = first.ctrl_c(within=60)
+    finally:
+        first.kill()
+    text = first.output()
+    assert first.proc.returncode == 130 and "Traceback" not in text, text
+    kept = re.search(r"interrupted: kept: checkpoint step (\d+) in \S+, .*?; a rerun of the same command "
+                     r"resumes at step (\d+)", text)
+    assert kept, text
+    assert int(kept[1]) == latest_step(out / "checkpoints") and int(kept[2]) == int(kept[1]) + 1, text
+    assert took < 30, took
+
+    rerun = _run("train", "--out", str(out), "--steps", str(int(kept[1]) + 1), "--no-ray", *TINY_TRAIN)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"resuming at step {int(kept[2])}" in rerun.stdout, rerun.stdout
+    assert "took over the lock" not in rerun.stdout  # the interrupted run released it
+    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, int(kept[2]) + 1))
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from engines.train.run_lock import hold_run_dir
+    with hold_run_dir(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_a_live_holder_is_named_and_a_dead_ones_lock_is_taken_over_with_a_note(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusy, match=rf"is in use by PID {holder.pid} \(.*-c .*, since "):
+            with hold_run_dir(run_dir):
+                pass
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops its flock, the file still names it
+        holder.wait()
+    notes: list[str] = []
+    with hold_run_dir(run_dir, log=notes.append):
+        with hold_run_dir(run_dir, log=notes.append):  # re-entrant within a process (flow + its training task)
+            pass
+        assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert len(notes) == 1 and f"took over the lock left by PID {holder.pid}" in notes[0], notes
+    assert (run_dir / LOCK_NAME).read_text() == ""  # released cleanly: the next holder gets no note
+
+
+def test_ctrl_c_during_the_demo_ends_it_in_seconds_with_the_flow_run_crashed(tmp_path):
+    workdir = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    demo = _Command(tmp_path, "demo", "demo", "--workdir", str(workdir), "--steps", "40", env=env)
+    try:
+        demo.wait_for("step 1:")
+        server_pid = int(re.search(r"pid (\d+)\)", demo.output())[1])
+        took = demo.ctrl_c(within=90)
+    finally:
+        demo.kill()
+    text = demo.output()
+    assert demo.proc.returncode == 130 and "Traceback" not in text, text
+    assert took < 45, took
+    assert "interrupted: the rl-pipeline flow run is marked Crashed" in text and "kept: " in text, text
+    db = sqlite3.connect(workdir / "prefect-home" / "prefect.db")
+    states = db.execute("SELECT state_type FROM flow_run JOIN flow ON flow.id = flow_run.flow_id "
+                        "WHERE flow.name = 'rl-pipeline'").fetchall()
+    assert states == [("CRASHED",)], states
+    assert not Path(f"/proc/{server_pid}").exists() or \
+        Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z", "the demo's Prefect server is still up"
+
+
+def test_a_full_disk_inside_the_ray_trainer_is_one_line(tmp_path, tiny_base):
+    """The checkpoint save of step 2 fails in the trainer actor (checkpointing's fault hook, read there): the user
+    gets CheckpointWriteError's own message on one line, without Ray's traceback or colour codes."""
+    result = _run("train", "--out", str(tmp_path / "run"), "--steps", "2", *TINY_TRAIN, env={FAULT_ENV: "2"})
+    lines = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "writing the training checkpoint of step 2" in lines[0] and "free space on" in lines[0], lines
+    assert "Traceback" not in result.stderr and "\x1b[" not in result.stderr, result.stderr
