@@ -327,17 +327,3 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path: Path) -> None:
     assert [r.prompt_text for r in load_prompt_dataset(array)[0]] == ["a", "b"]
     assert read_jsonl(lines) == rows
 
-
-def test_the_sample_data_file_is_package_data() -> None:
-    """A non-editable install (pip install .) ships rl/sample_math.jsonl: the rl package is found and a
-    package-data glob of pyproject.toml matches the file (what setuptools copies into the wheel)."""
-    import fnmatch
-    import tomllib
-
-    from rl.datasets import SAMPLE_DATA
-
-    setuptools = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert any(fnmatch.fnmatch("rl", pattern) for pattern in setuptools["packages"]["find"]["include"])
-    globs = [g for package in ("*", "rl") for g in setuptools["package-data"].get(package, [])]
-    assert SAMPLE_DATA.parent.name == "rl" and any(fnmatch.fnmatch(SAMPLE_DATA.name, g) for g in globs), globs
-    assert SAMPLE_DATA.is_file()
