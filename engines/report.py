@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from engines.train.runlog import RunLog  # noqa: E402
 from rl.stats import drift, linear_fit, moving_average  # noqa: E402
@@ -54,6 +55,12 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _steps_axis(ax) -> None:
+    """Steps are whole numbers: no 0.5 ticks on a 2- or 3-step run."""
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
@@ -75,6 +82,7 @@ def plot_reward(rows: list[dict], path: Path) -> Path | None:
         slope, intercept = linear_fit(steps, values)
         ax.plot(steps, [slope * s + intercept for s in steps], "--", label=f"linear fit (slope {slope:+.4f}/step)")
     ax.set(xlabel="step", ylabel="rollout/raw_reward", title="Online raw reward")
+    _steps_axis(ax)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     return _save(fig, path)
 
@@ -88,6 +96,7 @@ def plot_logprob_diff(rows: list[dict], path: Path, threshold: float | None = No
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(steps, values, ".-", label="mean |train - rollout| logprob")
     ax.set(xlabel="step", ylabel="train/train_rollout_logprob_abs_diff", title="Train vs rollout logprob difference")
+    _steps_axis(ax)
     positive = [v for v in values if v > 0]
     if threshold:
         ax.axhline(threshold, color="tab:red", linestyle="--",
@@ -116,6 +125,7 @@ def plot_pass_at_k(evals: list[dict], path: Path) -> Path | None:
     noise = "bars: ±1 standard error over the problems" if any("pass@1_stderr" in e for e in evals) else ""
     title = "Held-out pass@k" + (f" ({'; '.join(p for p in (size, noise) if p)})" if size or noise else "")
     ax.set(xlabel="step", ylabel="held-out pass@k", ylim=(0, 1))
+    _steps_axis(ax)
     ax.set_title(title, fontsize=10)
     # below the axes, never over the points (pass@8 lives near the top, pass@1 near the middle)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["PromptRow", "DatasetReport", "DatasetError", "EncodedPrompts", "load_prompt_dataset",
-           "load_encoded_prompts", "DROP_REASONS"]
+           "load_encoded_prompts", "DROP_REASONS", "SAMPLE_DATA"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ DROP_REASONS = {
     "malformed_json": "the line is not valid JSON, or not a JSON object",
 }
 """Every reason a row can be dropped for, with what it means."""
+
+SAMPLE_DATA = Path(__file__).resolve().with_name("sample_math.jsonl")
+"""256 rows in the working format and wording (the synthetic addition task's training split, seed 0): what
+`v4rl train --train-data` reads and the tiny base gets a non-zero reward on. The tiny base solves only this
+wording; a DAPO-style prompt gets reward 0 on every sample, so no step has a learning signal."""
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _EXAMPLES_PER_REASON = 5
@@ -298,8 +303,8 @@ def _read_records(source: Path) -> list[dict[str, Any] | _Malformed]:
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DatasetError(f"{source}: could not be read as parquet ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}); check the file") from None
-    try:
-        text = source.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a leading byte-order mark (Excel, Notepad) is not part of the first row
+        text = source.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{source}: not UTF-8 text at byte {exc.start}; give a JSON-lines (.jsonl), JSON or "
                            "parquet file") from None

@@ -4,15 +4,16 @@ What it does
     ``Grader(reward_fn).grade(responses, labels, where="step 3")`` calls ``reward_fn(response, label)``
     for every pair (``reward_fn(response, label, prompt)`` with ``takes_prompt=True`` and ``prompts=``: how a
     user's reward function is called, rl/reward_spec.py). A call that raises (or returns NaN/inf, or something
-    that is not a number) scores 0.0 for that sample and is counted; the first failure of each exception type
-    is logged once (type and message, with where it happened). When the fraction of failed samples in one call exceeds
+    that is not a number) scores 0.0 for that sample and is counted; the first failure of each kind (an
+    exception type, or what came back instead of a number) is logged once, saying which it was: "raised KeyError:
+    ..." or "returned str 'x', expected a number", with where it happened. When the fraction of failed samples in one call exceeds
     ``max_error_ratio`` the call raises :class:`GraderFailed` naming where, how many failed, the first
     failure and the fix, so a broken grader stops the run instead of feeding it zero rewards.
 
     ``workers > 0`` grades in a thread pool (``pool="thread"``) or a process pool (``pool="process"``,
     spawn start method; ``reward_fn`` must then be picklable: a module-level function or a
     ``functools.partial`` of one). The exception is caught inside the worker and only
-    ``(reward, error text)`` crosses the pool, so counts, rewards and the stop rule are the same in
+    ``(reward, (kind, error text))`` crosses the pool, so counts, rewards and the stop rule are the same in
     every mode. Metrics follow DESIGN.md: ``rollout/grader_errors`` (failed samples in the step) and
     ``rollout/grader_error_ratio``.
 
@@ -35,12 +36,21 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Grader", "GraderFailed", "GradingResult", "DEFAULT_MAX_ERROR_RATIO"]
+__all__ = ["Grader", "GraderFailed", "GradingResult", "BadRewardValue", "DEFAULT_MAX_ERROR_RATIO"]
 
 DEFAULT_MAX_ERROR_RATIO = 0.25
 """Largest fraction of samples in one grading call whose reward function may fail before the run stops."""
 
 log = logging.getLogger(__name__)
+
+
+class BadRewardValue(ValueError):
+    """The reward function returned something other than one finite number; ``kind`` names what (e.g.
+    "returned str"), the message says what was expected. Reported as returned, never as raised."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class GraderFailed(ValueError):
@@ -65,29 +75,46 @@ class GradingResult:
         return self.errors / self.n if self.n else 0.0
 
 
-def _describe(exc: BaseException) -> str:
+Failure = tuple[str, str]
+"""(kind, message) of one failed sample: kind "KeyError" or "returned str", message a sentence naming it."""
+
+
+def _describe(exc: BaseException) -> Failure:
+    if isinstance(exc, BadRewardValue):  # a value that came back, not an exception of the user's code
+        return exc.kind, str(exc)
     message = " ".join(str(exc).split())
     if len(message) > 300:
         message = message[:300] + "..."
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    kind = type(exc).__name__
+    return kind, f"the reward function raised {kind}: {message}" if message else f"the reward function raised {kind}"
 
 
-def _grade_one(reward_fn: Callable[..., float], sample: tuple[str, ...]) -> tuple[float, str | None]:
-    """One sample ``(response, label[, prompt])``, never raising: (reward, None) or (0.0, "ExceptionType: message")."""
+def returned_value_error(raw: object) -> BadRewardValue | None:
+    """Why a reward function's return value is not one finite number (None when it is)."""
+    # numbers.Real: numpy scalars count as numbers (np.float32 is no float subclass); bool does not
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
+        kind = "None" if raw is None else type(raw).__name__
+        return BadRewardValue(f"returned {kind}", f"the reward function returned {kind}"
+                              + ("" if raw is None else f" {raw!r:.60}") + ", expected a number")
+    if not math.isfinite(float(raw)):
+        return BadRewardValue("returned a non-finite number",
+                              f"the reward function returned {float(raw)}, expected a finite number")
+    return None
+
+
+def _grade_one(reward_fn: Callable[..., float], sample: tuple[str, ...]) -> tuple[float, Failure | None]:
+    """One sample ``(response, label[, prompt])``, never raising: (reward, None) or (0.0, (kind, message))."""
     try:
         raw = reward_fn(*sample)
     except Exception as exc:  # noqa: BLE001 - a failing grader is counted and reported, not fatal per sample
         return 0.0, _describe(exc)
-    # numbers.Real: numpy scalars count as numbers (np.float32 is no float subclass); bool does not
-    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
-        return 0.0, f"TypeError: the reward function returned {type(raw).__name__} {raw!r:.60}, not a number"
-    value = float(raw)
-    if not math.isfinite(value):
-        return 0.0, f"ValueError: the reward function returned {value}"
-    return value, None
+    bad = returned_value_error(raw)
+    if bad is not None:
+        return 0.0, (bad.kind, str(bad))
+    return float(raw), None
 
 
-def _grade_chunk(reward_fn: Callable[..., float], samples: list[tuple[str, ...]]) -> list[tuple[float, str | None]]:
+def _grade_chunk(reward_fn: Callable[..., float], samples: list[tuple[str, ...]]) -> list[tuple[float, Failure | None]]:
     return [_grade_one(reward_fn, sample) for sample in samples]
 
 
@@ -108,7 +135,7 @@ class Grader:
     total: int = 0
     total_errors: int = 0
     first_error_by_type: dict[str, str] = field(default_factory=dict)
-    """The first failure message of each exception type, in the order they appeared."""
+    """The first failure message of each kind (exception type, or "returned str" ...), in the order they appeared."""
     _executor: Executor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,7 +162,7 @@ class Grader:
         samples = list(zip(responses, labels, prompts)) if self.takes_prompt else list(zip(responses, labels))
         outcomes = self._run(samples)
         failures = [error for _, error in outcomes if error is not None]
-        result = GradingResult([reward for reward, _ in outcomes], len(failures), failures[0] if failures else None)
+        result = GradingResult([reward for reward, _ in outcomes], len(failures), failures[0][1] if failures else None)
         self.total += result.n
         self.total_errors += result.errors
         self._log_new_types(failures, result, where)
@@ -151,19 +178,18 @@ class Grader:
                 f"{result.first_error}. Fix the reward function (or the labels it rejects), or raise "
                 "max_grader_error_ratio to tolerate failures (failed samples score 0)")
 
-    def _log_new_types(self, failures: list[str], result: GradingResult, where: str) -> None:
-        for error in failures:
-            kind = error.split(":", 1)[0]
+    def _log_new_types(self, failures: list[Failure], result: GradingResult, where: str) -> None:
+        for kind, error in failures:
             if kind in self.first_error_by_type:
                 continue
             self.first_error_by_type[kind] = error
-            log.warning("%s: the reward function raised %s (%d of %d samples failed in this call; they score 0 "
-                        "and are counted in rollout/grader_errors); further %s failures are counted, not logged",
+            log.warning("%s: %s (%d of %d samples failed in this call; they score 0 and are counted in "
+                        "rollout/grader_errors); further failures of this kind (%s) are counted, not logged",
                         where, error, result.errors, result.n, kind)
 
     # -- execution --------------------------------------------------------------------------------------
 
-    def _run(self, samples: list[tuple[str, ...]]) -> list[tuple[float, str | None]]:
+    def _run(self, samples: list[tuple[str, ...]]) -> list[tuple[float, Failure | None]]:
         if self.workers == 0 or len(samples) <= 1:
             return _grade_chunk(self.reward_fn, samples)
         executor = self._pool()

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rl.dynamic_sampling import DynamicSampler
+from rl.dynamic_sampling import DynamicSampler, has_signal
 from rl.grading import Grader, GradingResult
 from rl.grpo import group_advantages
 from rl.passk import mean_pass_at_k, pass_at_k_stderr
@@ -137,7 +137,7 @@ def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], label
     grader = grader or Grader(_required(reward_fn))
     n_rows = len(prompts)
     consumed = 0
-    graded = {"n": 0, "errors": 0}
+    graded = {"n": 0, "errors": 0, "reward_sum": 0.0}
 
     def generate(k: int) -> list[Group]:
         nonlocal consumed
@@ -150,6 +150,7 @@ def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], label
         result = grade_groups(groups, decode, grader=grader, where=f"step {step} (rollout)")
         graded["n"] += result.n
         graded["errors"] += result.errors
+        graded["reward_sum"] += sum(result.rewards)
         return groups
 
     start = time.monotonic()
@@ -160,12 +161,15 @@ def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], label
     completions = [c for g in groups for c in g.completions]
     rewards = [r for g in groups for r in g.rewards]
     metrics = {
-        "rollout/raw_reward": sum(rewards) / max(1, len(rewards)),
+        # every group filtered by dynamic sampling: the mean over what was generated, not 0 for nothing
+        "rollout/raw_reward": sum(rewards) / len(rewards) if rewards else graded["reward_sum"] / max(1, graded["n"]),
         "rollout/response_len/mean": sum(len(c.output_ids) for c in completions) / max(1, len(completions)),
         "rollout/truncated_ratio": sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
         "rollout/grader_errors": float(graded["errors"]),
         "rollout/grader_error_ratio": graded["errors"] / max(1, graded["n"]),
         "perf/rollout_time": time.monotonic() - start,
+        # 1.0: no group to train on has rewards that differ (all filtered, or all equal): the step cannot learn
+        "rollout/no_learning_signal": float(not any(has_signal(g.rewards) for g in groups)),
         **result.metrics(),
     }
     return groups, metrics

@@ -213,7 +213,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """
     source = Path(path)
     rows: list[dict[str, Any]] = []
-    with source.open(encoding="utf-8") as handle:
+    with source.open(encoding="utf-8-sig") as handle:  # a leading byte-order mark is not part of row 1
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

@@ -165,20 +165,22 @@ def check_signature(fn: Callable[..., Any], what: str, path: str) -> None:
 def call_reward_function(fn: Callable[..., Any], response: str, label: str, prompt: str) -> Any:
     """One sample through the contract: ``fn(prompts=[prompt], completions=[response], label=[label])[0]``.
 
-    Raises TypeError / ValueError when the result is not one reward (the Grader counts it as a failure); the
-    value itself is checked by the Grader (a finite number)."""
+    Raises rl.grading.BadRewardValue when the result is not one reward (the Grader counts it as a failure, reported
+    as what was returned, not as raised); the value itself is checked by the Grader (a finite number)."""
+    from rl.grading import BadRewardValue
+
     out = fn(prompts=[prompt], completions=[response], label=[label])
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
-        raise TypeError(f"the reward function returned {type(out).__name__} {out!r:.60}, not a list with one reward "
-                        f"per completion (the contract: {CONTRACT})")
+        kind = type(out).__name__
+        raise BadRewardValue(f"returned {kind} instead of a list",
+                             f"the reward function returned {kind} {out!r:.60}, expected a list with one number per "
+                             f"completion (the contract: {CONTRACT})")
     if len(out) != 1:
-        raise TypeError(f"the reward function returned {len(out)} rewards for 1 completion")
-    value = out[0]
-    if value is None:
-        raise ValueError("the reward function returned None (cannot score) for this completion")
-    return value
+        raise BadRewardValue("returned a list of another length",
+                             f"the reward function returned {len(out)} rewards for 1 completion, expected 1")
+    return out[0]
 
 
 async def _awaited(awaitable: Any) -> Any:

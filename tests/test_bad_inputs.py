@@ -176,7 +176,9 @@ def test_non_numeric_rewards_and_evaluation_count_as_grader_errors():
     with Grader(odd, max_error_ratio=1.0) as grader:
         groups, metrics = _step(grader)
     assert metrics["rollout/grader_errors"] == 8  # NaN for label 0, a string for label 2
-    assert set(grader.first_error_by_type) == {"ValueError", "TypeError"}
+    assert grader.first_error_by_type == {"returned a non-finite number": "the reward function returned nan, expected "
+                                                                          "a finite number",
+                                          "returned str": "the reward function returned str '1.0', expected a number"}
     result = evaluate(_EchoRollout(), [[i] for i in range(4)], LABELS, n=4, max_new_tokens=4, decode=_boxed,
                       seed=0, grader=Grader(STRICT))
     assert result["grader_errors"] == 4 and result["pass@1"] == 0.75

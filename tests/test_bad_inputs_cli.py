@@ -65,7 +65,7 @@ CLI_CASES = {
                             "no 'prompt' column and no 'label' column (columns: ['answer', 'question']); name the "
                             "column(s) with --input-key question --label-key answer"),
     "train broken lines": ("train --out {B}/run --train-data {B}/broken.jsonl --no-ray --prompts-per-step 2", 1,
-                           "train_data has no usable row: all 5 were dropped"),
+                           "--train-data has no usable row: all 5 were dropped"),
     "convert torch_dist": ("convert {B}/torch_dist {B}/out", 1, "{B}/torch_dist is a Megatron torch_dist "
                            "checkpoint, not a HF one; export it first: v4rl export {B}/torch_dist HF_DIR"),
     "convert missing": ("convert {B}/nope {B}/out", 1, "SRC {B}/nope: no such directory"),
@@ -140,6 +140,24 @@ def test_every_command_answers_a_mistake_with_one_line(case, bad, tiny_base, mon
     assert fill(expected) in lines[0], (case, lines[0])
     assert "Traceback" not in result.output and not result.stdout.strip(), (case, result.output)
     assert _listing(bad) == before, case  # no run directory, no half-written output
+
+
+def test_train_reports_every_mistake_at_once_under_its_flag(bad, monkeypatch):
+    """Four mistakes on one command line: four lines, each naming the flag the user typed (not the config field:
+    `rollout_expert_dtype='bf16'`), in one run, before anything starts."""
+    from typer.testing import CliRunner
+
+    import engines.train.run as run_module
+    from v4rl.cli import app
+
+    monkeypatch.setattr(run_module, "run_training", lambda *a, **k: pytest.fail("the run started"))
+    result = CliRunner().invoke(app, ["train", "--out", f"{bad}/afile", "--train-data", f"{bad}/missing.jsonl",
+                                      "--reward", "nope", "--rollout-expert-dtype", "bf16"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert [line.split()[1] for line in lines] == ["--out", "--train-data", "--reward='nope'",
+                                                   "--rollout-expert-dtype"], lines
+    assert all(line.startswith("error: ") for line in lines) and "rollout_expert_dtype" not in result.stderr
 
 
 def test_the_suggested_commands_accept_every_spelling(tmp_path):

@@ -198,6 +198,43 @@ def test_cli_plan_json_and_exit_codes():
     assert tiny.exit_code == 0 and json.loads(tiny.output)["alternatives"]
 
 
+def test_an_infeasible_plan_prints_only_why_and_the_fix():
+    """The memory table, the Miles job and its storage cost of a layout that cannot run would only mislead."""
+    from v4rl.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan", "--preset", SEED, "--hbm-gb", "100"])
+    assert out.exit_code == 2, out.output
+    lines = out.stdout.splitlines()
+    rejected = [line for line in lines if line.startswith("rejected ")]
+    assert [r.split()[1] for r in rejected] == ["[actor-memory]", "[rollout-memory]"], out.stdout
+    assert all("fix: " in r for r in rejected)  # each reason on one line, with its fix, pasteable
+    for shown_only_when_feasible in ("actor memory per GPU", "rollout per GPU", "Miles job", "storage cost",
+                                     "communication per step"):
+        assert shown_only_when_feasible not in out.stdout, (shown_only_when_feasible, out.stdout)
+    assert lines[-1] == "infeasible" and "--rank 5" in out.stdout
+    ranked = runner.invoke(app, ["plan", "--preset", SEED, "--pp", "4", "--rank", "2"])
+    assert ranked.exit_code == 2 and "feasible layouts, least communication first" in ranked.stdout
+    assert "Miles job" not in ranked.stdout
+
+
+def test_help_lists_every_preset_and_names_options_in_full():
+    """`--help` is laid out wide enough that no option name is cut (rich's default of 80 columns cut
+    --prompts-per-step), and `plan --help` lists the presets from the registry."""
+    from engines.run_presets import RUN_PRESETS
+    from v4rl.cli import app
+
+    runner = CliRunner()
+    train = runner.invoke(app, ["train", "--help"])
+    assert train.exit_code == 0 and "…" not in train.stdout
+    for option in ("--prompts-per-step", "--max-grader-error-ratio", "--rollout-expert-dtype"):
+        assert option in train.stdout, option
+    plan = runner.invoke(app, ["plan", "--help"])
+    assert "…" not in plan.stdout
+    flat = " ".join(plan.stdout.replace("│", " ").split())
+    assert all(name in flat for name in RUN_PRESETS), (sorted(RUN_PRESETS), flat)
+
+
 def test_plan_a_real_config_json(tmp_path):
     """A DeepSeek-V4-Flash config.json in the shipped (legacy compress_ratios, 43 + MTP) form plans like the preset."""
     from engines.presets import DSV4_FLASH_COMPRESS_RATIOS

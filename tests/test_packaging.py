@@ -45,3 +45,10 @@ def test_the_wheel_ships_the_kernel_sources(wheel_files):
     assert any(s.endswith(".h") for s in sources)
     missing = [s for s in sources if s not in wheel_files]
     assert not missing, f"kernel sources a non-editable install would lack: {missing}"
+
+
+def test_the_wheel_ships_the_sample_data(wheel_files):
+    """rl/sample_math.jsonl, the rows in the tiny base's wording that `v4rl train --train-data` learns on."""
+    from rl.datasets import SAMPLE_DATA
+
+    assert f"rl/{SAMPLE_DATA.name}" in wheel_files

@@ -1,7 +1,9 @@
 """A new rl-pipeline flow run for the same run key skips what is done: the conversion is a cache hit (keyed by
 the source checkpoint's identity, not the run id), and training resumes at the right step. The run has ONE
-training task, and the evaluate subflows of the evaluations it makes start while it runs. Flows run in this
-process against a real Prefect server on 127.0.0.1.
+training task, and each evaluation it makes is published once, by an evaluate subflow, while it runs: the test
+holds the training after each evaluation until that subflow has completed (so a fast machine cannot end the
+training first and turn the check into a race), and a flow that only published at the end would leave the
+training waiting in vain. Flows run in this process against a real Prefect server on 127.0.0.1.
 
     .venv/bin/python -m pytest tests/test_pipeline_resume.py -q
 """
@@ -9,6 +11,7 @@ process against a real Prefect server on 127.0.0.1.
 from __future__ import annotations
 
 import json
+import time
 
 from tests.prefect_server import flow_run_children
 
@@ -18,23 +21,67 @@ def _task_states(flow_run_id) -> dict[str, str]:
     return {r.name: r.state.name for r in tasks}
 
 
-def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_server, tiny_base, tmp_path):  # noqa: F811
+PUBLISH_WAIT_S = 60.0
+"""How long the held training waits for an evaluation's subflow; the flow polls eval/ every second."""
+
+
+def _published(flow_run_id, step: int) -> bool:
+    """Whether the evaluate subflow of `step` under flow run `flow_run_id` has completed."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    return any((r.parameters or {}).get("step") == step and r.state and r.state.is_completed() for r in runs)
+
+
+def _training_held_until_published(monkeypatch) -> list[int]:
+    """Make every evaluation the training writes wait until the flow has published it; returns the steps whose
+    wait ran out (the flow did not publish them while training ran)."""
+    from prefect.context import TaskRunContext
+
+    from engines.train.runlog import RunLog
+
+    unpublished: list[int] = []
+    write_eval = RunLog.write_eval
+
+    def held(self, step: int, result: dict):
+        path = write_eval(self, step, result)
+        flow_run_id = TaskRunContext.get().task_run.flow_run_id  # the training task's flow run
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while not _published(flow_run_id, step):
+            if time.monotonic() > deadline:
+                unpublished.append(step)
+                break
+            time.sleep(0.5)
+        return path
+
+    monkeypatch.setattr(RunLog, "write_eval", held)
+    return unpublished
+
+
+def test_second_flow_run_hits_the_conversion_cache_and_resumes_training(prefect_server, tiny_base, tmp_path,  # noqa: F811
+                                                                        monkeypatch):
     from flows.params import PipelineParams
     from flows.rl_pipeline import rl_pipeline
 
     small = dict(run_key="resume", runs_root=str(tmp_path / "runs"), hf_checkpoint=str(tiny_base), steps=2,
                  eval_interval=1, prompts_per_step=4, n_samples=4, n_eval=8, eval_samples=4, align_prompts=2,
                  use_ray=False)
-    first = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **small), return_state=True)
+    with monkeypatch.context() as held:
+        unpublished = _training_held_until_published(held)
+        first = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **small), return_state=True)
     assert first.is_completed(), first
+    assert unpublished == [], f"evaluations of steps {unpublished} were not published while the training ran"
     states = _task_states(first.state_details.flow_run_id)
     assert any(n.startswith("convert") and s == "Completed" for n, s in states.items()), states
     tasks, subflows = flow_run_children(first.state_details.flow_run_id, expect=("convert", "train"))
     trains = [t for t in tasks if t.name.rsplit("-", 1)[0] == "train"]
     assert len(trains) == 1, [t.name for t in tasks]  # one training task for the run
     evaluations = sorted((f.parameters["step"], f.start_time) for f in subflows if "step" in (f.parameters or {}))
-    assert [step for step, _ in evaluations] == [0, 1, 2], evaluations  # the trainer's evaluations, each published
-    assert all(start < trains[0].end_time for step, start in evaluations if step < 2), (evaluations, trains[0])
+    assert [step for step, _ in evaluations] == [0, 1, 2], evaluations  # the trainer's evaluations, each once
+    assert all(start < trains[0].end_time for _, start in evaluations), (evaluations, trains[0])  # as each landed
 
     # Crash-like restart with more steps: a brand-new flow run, same run key.
     second = rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **{**small, "steps": 3}), return_state=True)

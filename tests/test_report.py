@@ -88,6 +88,15 @@ def test_plots_smooth_draw_the_threshold_and_keep_legends_off_the_data(tmp_path,
         assert figures[name].legend_below_axes, name
 
 
+def test_plots_of_a_short_run_tick_whole_steps_only(tmp_path, figures):
+    report.write_report(_run_dir(tmp_path / "run", steps=3))  # matplotlib's default puts ticks at 1.0, 1.5, 2.0
+    for name in ("reward", "logprob_diff", "pass_at_k"):
+        ax = figures[name].axes[0]
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (name, ticks)
+
+
 def test_report_numbers_are_never_rounded_to_zero_and_carry_their_noise(tmp_path):
     run = _run_dir(tmp_path / "run")
     markdown = report.write_report(run)["markdown"]
@@ -141,6 +150,22 @@ def test_demo_summary_states_the_noise(tmp_path):
     assert lines[0] == ("held-out pass@1: step 0 0.277 ± 0.032 -> step 10 0.283 ± 0.032 (change +0.006, within the "
                         "noise of ±0.064)")
     assert lines[-1].startswith("(64 held-out problems x 8 samples per evaluation;")
+
+
+def test_the_demo_prints_its_ui_commands_unwrapped(tmp_path):
+    """On a narrow terminal the command to start the UI and its URL come out whole, one per line, as pasted."""
+    import io
+
+    from rich.console import Console
+
+    from v4rl.demo import print_unwrapped, ui_hint_lines
+
+    home = tmp_path / "a-rather-long-folder-name" / "prefect-home"
+    out = io.StringIO()
+    print_unwrapped(Console(file=out, width=40, force_terminal=False), ui_hint_lines(home))
+    lines = out.getvalue().splitlines()
+    assert f"  PREFECT_HOME={home} .venv/bin/prefect server start --host 127.0.0.1" in lines, lines
+    assert "  http://127.0.0.1:4200" in lines
 
 
 def test_demo_links_only_to_a_ui_that_exists(tmp_path):

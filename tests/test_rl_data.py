@@ -312,3 +312,18 @@ def test_json_array_files_and_json_lines_with_a_json_suffix_load(tmp_path: Path)
     lines.write_text('{"prompt": "a", "label": "x\u2028y"}\n{"prompt": "b", "label": 3}\n')
     rows, report = load_prompt_dataset(lines)
     assert [r.label for r in rows] == ["x\u2028y", "3"] and report.n_dropped == 0
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path: Path) -> None:
+    # Excel and Notepad save "UTF-8" with a BOM; json.loads refuses it ("decode using utf-8-sig"), so the first row
+    # used to be dropped as malformed_json
+    rows = [{"prompt": "a", "label": 1}, {"prompt": "b", "label": 2}]
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode())
+    kept, report = load_prompt_dataset(lines)
+    assert [(r.prompt_text, r.label) for r in kept] == [("a", "1"), ("b", "2")] and report.n_dropped == 0
+    array = tmp_path / "bom.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    assert [r.prompt_text for r in load_prompt_dataset(array)[0]] == ["a", "b"]
+    assert read_jsonl(lines) == rows
+

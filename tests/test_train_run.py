@@ -9,6 +9,7 @@ never died.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -103,3 +104,69 @@ def test_a_rollout_server_that_ignores_the_api_key_stops_the_run(tiny_base, tmp_
     with pytest.raises(RolloutUnprotected, match="answers requests without it.*--api-key"):
         run_training(tmp_path / "run", _config(tiny_base, 1, use_ray=False), log=lambda m: None)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _rows(tmp_path / "run")
+
+
+def test_the_shipped_sample_data_trains_with_a_signal(tiny_base, tmp_path):
+    """rl/sample_math.jsonl (package data) is in the wording the tiny base solves: `v4rl train --train-data` on it
+    gets a non-zero reward (graded by math-verify, as for any data file), so its steps learn."""
+    from rl.datasets import SAMPLE_DATA, load_prompt_dataset
+
+    rows, report = load_prompt_dataset(SAMPLE_DATA)
+    assert len(rows) == report.n_rows == 256 and report.n_dropped == 0
+    logged: list[str] = []
+    config = TrainRunConfig(base=str(tiny_base), steps=1, n_eval=8, train_data=str(SAMPLE_DATA),
+                            loop=LoopConfig(prompts_per_step=8, n_samples=4, eval_interval=0, max_new_tokens=8,
+                                            dynamic_sampling=False), use_ray=False)
+    run_training(tmp_path / "run", config, log=logged.append)
+    (row,) = _rows(tmp_path / "run")
+    assert row["rollout/raw_reward"] > 0 and row["rollout/no_learning_signal"] == 0.0, row
+    assert not [line for line in logged if "no learning signal" in line], logged
+
+
+def test_a_step_without_a_learning_signal_says_so_and_skips_the_optimizer(tiny_base, tmp_path):
+    """DAPO-style wording: the tiny base scores 0 on every sample, dynamic sampling filters every group. Each
+    step logs one warning line naming the cause and the sample file, records rollout/no_learning_signal = 1,
+    and skips the optimizer step (a step on no samples used to fail: 'GRPO step got no response tokens')."""
+    from rl.datasets import SAMPLE_DATA
+
+    dapo = tmp_path / "dapo.jsonl"
+    wording = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nLet x = {a}/{b}. "
+               "What is x?\n\nRemember to put your answer on its own line after \"Answer:\".")
+    dapo.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": wording.format(a=a, b=a + 7)}],
+                                        "label": f"\\frac{{{a}}}{{{a + 7}}}"}) + "\n" for a in range(1, 9)))
+    logged: list[str] = []
+    config = TrainRunConfig(base=str(tiny_base), steps=2, n_eval=8, train_data=str(dapo),
+                            loop=LoopConfig(prompts_per_step=2, n_samples=2, eval_interval=0, max_new_tokens=4,
+                                            dynamic_sampling=True, dynamic_sampling_max_rounds=1), use_ray=False)
+    run_training(tmp_path / "run", config, log=logged.append)
+    rows = _rows(tmp_path / "run")
+    assert [(r["step"], r["rollout/raw_reward"], r["rollout/no_learning_signal"]) for r in rows] == \
+        [(1, 0.0, 1.0), (2, 0.0, 1.0)]
+    warned = [line for line in logged if "no learning signal" in line]
+    assert [w.split(" has ")[0] for w in warned] == ["warning: step 1", "warning: step 2"], logged
+    assert "the optimizer step was skipped" in warned[0] and str(SAMPLE_DATA) in warned[0]
+    assert "solves only its own prompt wording" in warned[0] and "\n" not in warned[0]
+
+
+def test_a_completed_run_restarted_with_the_same_command_starts_nothing(tiny_base, tmp_path, monkeypatch):
+    """The rerun finds the final checkpoint first, says the run is complete and returns: no tokenizer, no data,
+    no engines (which took 30 s to do nothing)."""
+    import engines.train.run as run_module
+
+    config = _config(tiny_base, 1, use_ray=False)
+    run_training(tmp_path / "run", config, log=lambda m: None)
+    before = _rows(tmp_path / "run")
+
+    def started(*args, **kwargs):
+        raise AssertionError("the rerun of a completed run started its engines")
+
+    monkeypatch.setattr(run_module, "_workers", started)
+    monkeypatch.setattr(run_module, "_task_data", started)
+    logged: list[str] = []
+    summary = run_training(tmp_path / "run", config, log=logged.append)
+    assert summary["complete"] and summary["last_step"] == 1 and [e["step"] for e in summary["evals"]] == [0, 1]
+    assert len(logged) == 1 and "is complete" in logged[0] and "--steps" in logged[0], logged
+    assert _rows(tmp_path / "run") == before
+    with pytest.raises(ValueError, match="different run configuration"):  # a changed run is still refused first
+        run_training(tmp_path / "run", dataclasses.replace(config, lr=5e-4), log=logged.append)

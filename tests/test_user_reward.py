@@ -216,8 +216,8 @@ def test_preflight_calls_a_user_reward_on_one_sample(tmp_path):
     out = preflight.fn("tiny-cpu", reward=f"{MODULE}:score")
     assert (out["reward_cases_checked"], out["eval_reward_cases_checked"]) == (1, 6)
     with pytest.raises(RewardCheckFailed, match=rf"eval_reward={MODULE}:nan failed on a well-formed sample "
-                                                r"\(completion '\\\\boxed\{\d+\}'.*ValueError: the reward function "
-                                                r"returned nan; fix the function"):
+                                                r"\(completion '\\\\boxed\{\d+\}'.*: the reward function "
+                                                r"returned nan, expected a finite number; fix the function"):
         preflight.fn("tiny-cpu", eval_reward=f"{MODULE}:nan")
     data = tmp_path / "seventy-seven.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 40+37."}], "label": 77}) + "\n")
@@ -254,7 +254,7 @@ def test_a_plugged_in_reward_scores_each_sample_and_its_failures_are_counted(wor
     assert rewards == {"0": [0.5] * 4, "77": [0.0] * 4, "2": [0.5] * 4, "9": [0.25] * 4}
     assert metrics["rollout/grader_errors"] == 4 and metrics["rollout/grader_error_ratio"] == 0.25
     assert metrics["rollout/raw_reward"] == pytest.approx((4 * 0.5 + 4 * 0.5 + 4 * 0.25) / 16)
-    assert grader.first_error_by_type == {"KeyError": "KeyError: 'no reference for 77'"}
+    assert grader.first_error_by_type == {"KeyError": "the reward function raised KeyError: 'no reference for 77'"}
     with pytest.raises(GraderFailed, match=r"step 2 \(rollout\): the reward function failed on 4 of 16 samples"), \
             choice.grader(max_error_ratio=0.2, workers=workers, pool=pool) as strict:
         rollout_step(2, rollout=_EchoRollout(), prompts=[[100 + i] for i in range(4)], labels=LABELS, config=LOOP,
@@ -262,17 +262,21 @@ def test_a_plugged_in_reward_scores_each_sample_and_its_failures_are_counted(wor
 
 
 @pytest.mark.parametrize("name, reward, error", [
-    ("nan", 0.0, "ValueError: the reward function returned nan"),
-    ("none", 0.0, "ValueError: the reward function returned None (cannot score) for this completion"),
-    ("bare", 0.0, "TypeError: the reward function returned float 1.0, not a list with one reward per completion"),
-    ("two", 0.0, "TypeError: the reward function returned 2 rewards for 1 completion"),
-    ("text", 0.0, "TypeError: the reward function returned str '1', not a number"),
+    ("nan", 0.0, "the reward function returned nan, expected a finite number"),
+    ("none", 0.0, "the reward function returned None, expected a number"),
+    ("bare", 0.0, "the reward function returned float 1.0, expected a list with one number per completion"),
+    ("two", 0.0, "the reward function returned 2 rewards for 1 completion, expected 1"),
+    ("text", 0.0, "the reward function returned str '1', expected a number"),
     ("float32", 0.5, None),
     ("later", 1.0, None),
 ])
-def test_what_a_plugged_in_reward_returns_is_one_finite_number_or_a_counted_failure(name, reward, error):
-    with resolve_reward(f"{MODULE}:{name}").grader(max_error_ratio=1.0) as grader:
+def test_what_a_plugged_in_reward_returns_is_one_finite_number_or_a_counted_failure(name, reward, error, caplog):
+    with caplog.at_level("WARNING", logger="rl.grading"), \
+            resolve_reward(f"{MODULE}:{name}").grader(max_error_ratio=1.0) as grader:
         result = grader.grade(["\\boxed{2}"], ["2"], where="test", prompts=["Compute 1+1."])
+    # a value that came back is reported as returned, never as "raised" (it raised nothing)
+    assert [r.getMessage().startswith(f"test: {error}") for r in caplog.records] == ([True] if error else [])
+    assert "raised" not in caplog.text
     assert result.rewards == [reward] and result.errors == (error is not None)
     assert (result.first_error or "").startswith(error or "") and (result.first_error is None) == (error is None)
 

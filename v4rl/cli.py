@@ -18,6 +18,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
+import typer.rich_utils  # noqa: E402
+
+HELP_WIDTH = 120
+"""Columns `--help` is laid out in at least: at rich's default of 80 (any pipe, a narrow terminal) the option
+column cuts names such as --prompts-per-step to `--prompts-per-…`. TERMINAL_WIDTH (typer's own setting) wins."""
+if not os.environ.get("TERMINAL_WIDTH"):
+    typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
 
 from rl.field_docs import field_default_and_doc  # noqa: E402
 
@@ -100,7 +107,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           opsm_delta: float = typer.Option(CORRECTION_OPSM_DELTA[0], help=CORRECTION_OPSM_DELTA[1]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
-                                                     "dropped and counted."),
+                                                     "dropped and counted. The tiny base solves only its own wording: "
+                                                     "rl/sample_math.jsonl is a file in it."),
           eval_data: Path = typer.Option(None, help="Held-out rows in the same format (default: synthetic)."),
           input_key: str = typer.Option("prompt", help="Column of --train-data / --eval-data holding the prompt "
                                                        "(Miles' --input-key), e.g. question."),
@@ -135,18 +143,22 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         _fail(f"--preset: {exc}")
     if preset != "tiny-cpu":
         _fail(f"preset {preset!r} trains on a GPU cluster through Miles; see `v4rl plan --preset {preset} --launch`")
+    # Paths and settings first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet. Every
+    # mistake of the command line at once, each under its flag (v4rl/train_flags.py)
     from rl.correction_setting import RolloutCorrection
+    from v4rl.train_flags import setting_problems
 
+    problems = [p for p in (inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
+                            inputs.data_file("--train-data", train_data), inputs.data_file("--eval-data", eval_data))
+                if p] + setting_problems(reward=reward, eval_reward=eval_reward,
+                                         rollout_expert_dtype=rollout_expert_dtype)
+    correction = None
     try:
         correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta)
     except ValueError as exc:
-        _fail(f"--rollout-correction / --opsm-delta: {exc}")
-    # Paths first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet
-    problem = inputs.first_problem(inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
-                                   inputs.data_file("--train-data", train_data),
-                                   inputs.data_file("--eval-data", eval_data))
-    if problem:
-        _fail(problem)
+        problems.append(f"--rollout-correction / --opsm-delta: {exc}")
+    if problems:
+        _fail("\nerror: ".join(problems))
     from engines.train.run_lock import RunDirBusy, hold_run_dir
 
     created = not out.exists()
@@ -172,6 +184,7 @@ def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, trai
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
     from rl.loop import LoopConfig
     from v4rl.errors import is_run_failure, one_line_error
+    from v4rl.train_flags import as_flags
 
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
     try:  # an unknown reward, an import path that does not resolve, bad data: a ValueError naming the fix
@@ -184,7 +197,7 @@ def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, trai
     except ValueError as exc:
         if created and not (out / "config.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
-        _fail(str(exc))
+        _fail(as_flags(str(exc)))
     except KeyboardInterrupt:
         from engines.train.kept import kept_after_interrupt
 

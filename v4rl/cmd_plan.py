@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import typer
 
+from engines.run_presets import RUN_PRESETS
+
 FEASIBLE, INFEASIBLE, BAD_INPUT = 0, 2, 1
 
 
@@ -32,7 +34,7 @@ def register(app: typer.Typer) -> None:
 
 
 def plan(
-    preset: str = typer.Option("dsv4-flash-mi355x", help="Run preset: dsv4-flash-mi355x | tiny-cpu."),
+    preset: str = typer.Option("dsv4-flash-mi355x", help="Run preset: " + " | ".join(RUN_PRESETS) + "."),
     profile: Optional[str] = typer.Option(None, help="Hardware profile override: mi355x | h200 | cpu."),
     model_config: Optional[str] = typer.Option(None, help="Plan this HF config.json instead of the preset's model."),
     tp: Optional[int] = typer.Option(None, help="--tensor-model-parallel-size."),
@@ -181,6 +183,8 @@ def plan(
         if launch_obj is not None:
             obj = {**obj, "launch": launch_obj} if json_out else launch_obj
         typer.echo(json.dumps(obj, indent=1))
+    elif not result.feasible:  # the memory, the job and its costs of a layout that cannot run would only mislead
+        _print_infeasible(preset, result, alternatives, rank)
     else:
         _print_tables(preset, result, alternatives)
         if cluster:
@@ -227,6 +231,44 @@ def _summary(p) -> dict[str, Any]:
             "comm_seconds_per_step": j["communication"]["total_seconds"] if j["communication"] else None}
 
 
+def _print_infeasible(preset: str, p, alternatives: list, rank: int) -> None:
+    """Why the layout cannot run and the fix each check names (the feasible alternatives when --rank asked), each
+    reason on one unwrapped line so its flags paste as they are."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    con = Console(width=max(Console().width, 120))
+    lay = p.to_json()["layout"]
+    con.print(escape(f"{preset}: layout TP{lay['tp']} PP{lay['pp']} EP{lay['ep']} ETP{lay['etp']} CP{lay['cp']} "
+                     "cannot run:"), highlight=False)
+    for reason in p.reasons:
+        con.print(f"[red]rejected[/] {escape(reason)}", highlight=False, soft_wrap=True)
+    if alternatives:
+        _print_alternatives(con, alternatives)
+    elif rank:
+        con.print(f"--rank {rank}: found no feasible layout of this cluster; change the cluster as the "
+                  "fixes above say", highlight=False, soft_wrap=True)
+    else:
+        con.print("other layouts of this cluster that are feasible: add --rank 5", highlight=False)
+    con.print("[red]infeasible[/]")
+
+
+def _print_alternatives(con, alternatives: list) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title="feasible layouts, least communication first")
+    for col in ("TP", "PP", "EP", "ETP", "CP", "stages", "actor GB", "rollout GB", "comm s/step"):
+        t.add_column(col, justify="right")
+    for alt in alternatives:
+        s = _summary(alt)
+        lo = s["layout"]
+        t.add_row(*(str(lo[k]) for k in ("tp", "pp", "ep", "etp", "cp")), escape(str(lo["pipeline_layers"])),
+                  f"{s['memory_gb_per_gpu']['actor']:,.0f}", f"{s['memory_gb_per_gpu']['rollout']:,.0f}",
+                  f"{s['comm_seconds_per_step']:.2f}")
+    con.print(t)
+
+
 def _print_tables(preset: str, p, alternatives: list) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -264,14 +306,5 @@ def _print_tables(preset: str, p, alternatives: list) -> None:
     for reason in p.reasons:
         con.print(f"[red]rejected[/] {escape(reason)}", highlight=False)
     if alternatives:
-        t = Table(title="feasible layouts, least communication first")
-        for col in ("TP", "PP", "EP", "ETP", "CP", "stages", "actor GB", "rollout GB", "comm s/step"):
-            t.add_column(col, justify="right")
-        for alt in alternatives:
-            s = _summary(alt)
-            lo = s["layout"]
-            t.add_row(*(str(lo[k]) for k in ("tp", "pp", "ep", "etp", "cp")), escape(str(lo["pipeline_layers"])),
-                      f"{s['memory_gb_per_gpu']['actor']:,.0f}", f"{s['memory_gb_per_gpu']['rollout']:,.0f}",
-                      f"{s['comm_seconds_per_step']:.2f}")
-        con.print(t)
-    con.print("[green]feasible[/]" if p.feasible else "[red]infeasible[/]")
+        _print_alternatives(con, alternatives)
+    con.print("[green]feasible[/]")

@@ -30,6 +30,21 @@ QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+def ui_hint_lines(home: Path) -> list[str]:
+    """How to open the finished run in the Prefect UI: each command and the URL on a line of its own."""
+    return ["", "Open the run in the Prefect UI (Runs -> rl-pipeline, Artifacts):",
+            f"  PREFECT_HOME={home} .venv/bin/prefect server start --host 127.0.0.1",
+            "  http://127.0.0.1:4200",
+            "or run `v4rl demo --ui`, which keeps its server and UI up at the end"]
+
+
+def print_unwrapped(console: Console, lines: list[str]) -> None:
+    """Lines as they are: rich would wrap a long command or URL at the terminal width into pieces that do not
+    work pasted (the terminal itself wraps them, and a copy of a wrapped line is still one line)."""
+    for line in lines:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
 class DemoRefused(ValueError):
     """The demo cannot start as asked (a bad option, an unreachable PREFECT_API_URL, a busy work dir): one line that
     names the option or variable and the fix; nothing was started."""
@@ -80,13 +95,11 @@ def _run(workdir: Path, *, seed: int, fresh: bool, steps: int, ui: bool, console
             console.print(f"  train/rollout |Δlogprob| mean {summary['logprob_abs_diff_mean']:.4f}")
         if server is not None and ui:
             url = os.environ["PREFECT_UI_URL"]
-            console.print(f"\nPrefect UI: {url} (Runs -> rl-pipeline, Artifacts); the server stays up until you "
-                          "press Ctrl-C")
+            print_unwrapped(console, ["", "Prefect UI (Runs -> rl-pipeline, Artifacts; up until you press Ctrl-C):",
+                                      f"  {url}"])
             _serve_until_interrupted(server)
         elif server is not None:
-            console.print(f"\nOpen the run in the Prefect UI: PREFECT_HOME={home} .venv/bin/prefect server start "
-                          "--host 127.0.0.1  then http://127.0.0.1:4200 (Runs -> rl-pipeline, Artifacts); or run "
-                          "`v4rl demo --ui`, which keeps its server and UI up at the end")
+            print_unwrapped(console, ui_hint_lines(home))
         return 0
     finally:
         if server is not None:

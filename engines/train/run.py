@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engines.rollout.sglang import SGLangClient, SGLangTimeout
+from engines.train.checkpointing import latest_step
 from engines.train.cluster import RemoteCallTimeout
 from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
 from engines.train.run_lock import hold_run_dir
@@ -224,8 +225,7 @@ def _grader_events(run_dir: Path, grader, reported: set[str], step: int, metrics
     for kind, error in grader.first_error_by_type.items():
         if kind not in reported:
             reported.add(kind)
-            message = (f"the reward function failed ({error}); failed samples score 0 and are counted in "
-                       "rollout/grader_errors")
+            message = f"{error}; failed samples score 0 and are counted in rollout/grader_errors"
             append_event(run_dir, {"step": step, "action": "grader_error",
                                    "value": metrics.get("rollout/grader_errors"), "message": message})
 
@@ -250,6 +250,12 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
     runlog = RunLog(run_dir, sinks=open_sinks(config.metric_sinks, run_dir, config=config.to_dict()))
     runlog.check_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)  # written once data and reward pass
     last = min(until or config.steps, config.steps)
+    done = latest_step(Path(run_dir) / "checkpoints")
+    if done is not None and done >= last:  # the same command again: say so instead of starting engines for nothing
+        log(f"{run_dir} is complete: its checkpoint of step {done} covers the {last} steps asked for, so there is "
+            "nothing to train; raise steps (--steps) to train further, or give a new output directory")
+        return {"run_dir": str(run_dir), "resumed_from": done, "last_step": done, "evals": runlog.evals(),
+                "complete": True}
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer, Path(run_dir), log)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -305,10 +311,12 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                 for used in [grader] if eval_grader is grader else [grader, eval_grader]:
                     _grader_events(Path(run_dir), used, reported_grader_errors, step, metrics)
                 t1 = time.monotonic()
-                metrics.update(call(trainer.train_step, "a GRPO step", groups,
-                                    advantages_of(groups, config.loop.normalize_std)))
+                if groups:  # dynamic sampling may have filtered every group: then there is nothing to step on
+                    metrics.update(call(trainer.train_step, "a GRPO step", groups,
+                                        advantages_of(groups, config.loop.normalize_std)))
                 t2 = time.monotonic()
-                metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step)
+                metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step) \
+                    if groups else 0.0
             except (RemoteCallTimeout, SGLangTimeout) as exc:
                 path = record_hang(Path(run_dir), step, workers.pids, exc)
                 raise StepHung(f"step {step} made no progress within {config.call_timeout_s:.0f}s ({exc}); thread "
@@ -325,8 +333,10 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
             if should_run(step, config.save_interval, last):
                 call(trainer.save, "saving a checkpoint", step, {"step": step})
             log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "
-                f"|Δlogprob| {metrics['train/train_rollout_logprob_abs_diff']:.4f} "
+                f"|Δlogprob| {metrics.get('train/train_rollout_logprob_abs_diff', float('nan')):.4f} "
                 f"({metrics['perf/step_time']:.1f}s)")
+            if metrics["rollout/no_learning_signal"]:
+                log(no_signal_warning(step, metrics, config))
             if on_step:
                 on_step(step, metrics)
             event = budget.observe(step, metrics.get("train/train_rollout_logprob_abs_diff"))
@@ -344,6 +354,28 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                     continue
             step += 1
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
+
+
+def no_signal_warning(step: int, metrics: dict, config: TrainRunConfig) -> str:
+    """The one line a step without a learning signal logs (rollout/no_learning_signal = 1): every group's samples
+    scored alike, so every advantage is 0. Reward 0 everywhere on a data file is the common case: the tiny base
+    answers only the prompt wording it was bootstrapped on (rl/math_task.py), and rl/sample_math.jsonl shows it."""
+    from rl.datasets import SAMPLE_DATA
+
+    groups = int(metrics.get("rollout/dynamic_filter_prompts") or config.loop.prompts_per_step)
+    reward = metrics["rollout/raw_reward"]
+    filtered = " (dynamic sampling filtered them all; the optimizer step was skipped)" \
+        if config.loop.dynamic_sampling else ""
+    line = (f"warning: step {step} has no learning signal: in each of its {groups} groups every sample scored the "
+            f"same{filtered}, so every advantage is 0 and the step cannot change the model")
+    if reward == 0 and config.train_data:
+        line += (f"; reward is 0 on {config.train_data}: the tiny base solves only its own prompt wording "
+                 f"(rows like {SAMPLE_DATA}), see docs/data-and-reward.md")
+    elif reward == 0:
+        line += "; reward is 0 on every sample: check the base checkpoint (--base) and --reward"
+    else:
+        line += "; every sample is right: give harder prompts"
+    return line
 
 
 def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
