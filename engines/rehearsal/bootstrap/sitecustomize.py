@@ -1,0 +1,118 @@
+"""Loaded by every Python process of a rehearsal (Miles' driver, Ray's workers, Miles' actors) because this folder
+is first on their PYTHONPATH: the CPU stand-ins, injected from outside, so that Miles' files run unmodified.
+
+  - GPU-only imports (sgl_kernel, flashinfer, transformer_engine, ...) resolve to stubs (engines/engine_stubs.py),
+    plus `sglang.srt.entrypoints.openai.encoding_dsv4` (Miles' own SGLang branch has it, upstream 0.5.23 lacks it);
+  - SGLang 0.5.23's ServerArgs is a msgspec Struct and Miles calls `dataclasses.fields()` on it (Miles' SGLang
+    branch has a dataclass): `dataclasses.fields` answers for a Struct with its fields;
+  - names Miles imports from its own SGLang branch that upstream 0.5.23 lacks get placeholders (MILES_SGLANG_NAMES);
+  - Megatron's validate_args asks the accelerator for its capability: answered as V4RL_REHEARSAL_DEVICE says.
+Only the standard library is imported here; the patches apply when their module is first imported.
+"""
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+import dataclasses
+
+_STUBS = os.environ.get("V4RL_ENGINE_STUBS")
+if _STUBS:
+    _spec = importlib.util.spec_from_file_location("engine_stubs", _STUBS)
+    _stubs = importlib.util.module_from_spec(_spec)
+    sys.modules["engine_stubs"] = _stubs
+    _spec.loader.exec_module(_stubs)
+    _stubs.activate(json.loads(os.environ.get("V4RL_STUB_ROOTS") or "null") or _stubs.GPU_ONLY_ROOTS)
+
+
+def _struct_fields(real_fields):
+    """`dataclasses.fields` that also answers for a msgspec Struct (SGLang 0.5.23's ServerArgs): its fields."""
+
+    def fields(class_or_instance):
+        if not hasattr(class_or_instance, "__dataclass_fields__") and hasattr(class_or_instance, "__struct_fields__"):
+            import msgspec
+
+            return tuple(msgspec.structs.fields(class_or_instance))
+        return real_fields(class_or_instance)
+
+    return fields
+
+
+def _answer_device(_module):
+    import torch
+
+    device = json.loads(os.environ.get("V4RL_REHEARSAL_DEVICE") or "{}")
+    if not device:
+        return
+    props = type("DeviceProperties", (), {"name": device["name"], "total_memory": int(device["total_memory"]),
+                                          "major": device["capability"][0], "minor": device["capability"][1],
+                                          "multi_processor_count": 0})
+    torch.cuda.get_device_capability = lambda *a, **k: tuple(device["capability"])
+    torch.cuda.get_device_properties = lambda *a, **k: props()
+
+
+MILES_SGLANG_NAMES = {
+    "sglang.srt.distributed.parallel_state": ("ParallelismContext", "RankParallelismConfig"),
+}
+"""Names Miles imports from its own SGLang branch (sglang-miles) that upstream SGLang 0.5.23's modules lack; Miles
+uses them only for its P2P weight transfer (not the broadcast a rehearsal runs), so placeholders suffice."""
+
+
+def _add_miles_sglang_names(module):
+    for name in MILES_SGLANG_NAMES[module.__name__]:
+        if not hasattr(module, name):
+            setattr(module, name, type(name, (), {"__module__": module.__name__, "__doc__": "placeholder (v4rl)"}))
+
+
+def _place_idle_actor(module):
+    """Miles defect (both vendored generations, miles/ray/placement_group.py `_get_placement_group_layout`): with
+    --rollout-external --debug-rollout-only it reserves no bundle, yet create_training_models still places one
+    (idle) actor per GPU and ray/train/actor_factory.py indexes bundle 0: IndexError before any rollout. The
+    rehearsal gives the idle actor its logical GPUs, as Miles does for --rollout-external without the debug flag.
+    Applied only where V4RL_REHEARSAL_WORKAROUNDS names it; the substitution table lists it."""
+    real = module._get_placement_group_layout
+
+    def layout(args):
+        if args.rollout_external and args.debug_rollout_only:
+            gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
+            return gpus, gpus
+        return real(args)
+
+    module._get_placement_group_layout = layout
+
+
+_WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor)}
+_AFTER_IMPORT = {**{_WORKAROUNDS[w][0]: _WORKAROUNDS[w][1]
+                    for w in (os.environ.get("V4RL_REHEARSAL_WORKAROUNDS") or "").split(",") if w in _WORKAROUNDS},
+                 **{name: _add_miles_sglang_names for name in MILES_SGLANG_NAMES},
+                 "megatron.training.arguments": _answer_device}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after one of _AFTER_IMPORT's modules has executed (the real module, found normally)."""
+
+    def find_spec(self, name, path, target=None):
+        patch = _AFTER_IMPORT.get(name)
+        if patch is None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _AfterImport())
+dataclasses.fields = _struct_fields(dataclasses.fields)

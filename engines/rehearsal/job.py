@@ -1,0 +1,141 @@
+"""The rehearsal's Miles job: the job v4rl builds for the cluster preset, changed only where a CPU must differ.
+
+`rehearsal_job` starts from engines/train/miles/command.py's `build_command` for the cluster preset (model flags
+from the tiny checkpoint's config.json, so the model flags already differ from the cluster's Flash: that row is
+listed once) and then applies SUBSTITUTIONS, each a flag with the value the rehearsal gives it and why. Every
+applied change is a `Substitution` row (flag or variable, cluster value, rehearsal value, why); nothing else of
+the cluster job changes: data keys, Miles' reward, GRPO + TIS flags, eval with pass@k, SGLang limits Miles checks.
+
+    job = rehearsal_job(SEED_RUN, RehearsalPaths(...), engine_addr="127.0.0.1:31777", stage="rollout")
+    print(job.argv[:4]); print(substitution_table(job.substitutions))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engines.run_spec import RunPreset
+from engines.train.miles.command import MilesJob, build_command, parse_flags
+from engines.train.miles.jobs import with_flags, without_flags
+
+DEVICE = {"name": "AMD Instinct MI355X", "total_memory": 288 * 2**30, "capability": [9, 5]}
+"""What torch.cuda answers in the rehearsal's processes (Megatron's validate_args asks): the cluster's MI355X."""
+ROLLOUT_SIZES = {"num_rollout": 2, "rollout_batch_size": 4, "n_samples_per_prompt": 4, "rollout_max_response_len": 24,
+                 "n_samples_per_eval_prompt": 4, "eval_max_response_len": 24, "eval_interval": 1}
+"""A few rollouts of a few short samples: two rollouts with an eval before each, ~1 minute of decoding on 2 cores."""
+
+
+@dataclass(frozen=True)
+class RehearsalPaths:
+    hf_checkpoint: Path
+    """The tiny FP8 HF checkpoint (Miles reads config/tokenizer, v4rl's engine serves it)."""
+    train_data: Path
+    eval_data: Path
+    work: Path
+    """--save/--load, ref-load placeholder and Miles' logs live under it."""
+
+
+@dataclass(frozen=True)
+class Substitution:
+    name: str
+    cluster: str
+    rehearsal: str
+    why: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "cluster": self.cluster, "rehearsal": self.rehearsal, "why": self.why}
+
+
+@dataclass(frozen=True)
+class RehearsalJob:
+    argv: list[str]
+    env: dict[str, str]
+    substitutions: list[Substitution] = field(default_factory=list)
+
+
+def _show(values: list[str] | None) -> str:
+    if values is None:
+        return "(absent)"
+    return " ".join(values) if values else "(set)"
+
+
+def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str, stage: str = "rollout",
+                  context_length: int) -> RehearsalJob:
+    """The cluster job for `preset`, with the CPU substitutions applied and recorded."""
+    hf_config = json.loads((paths.hf_checkpoint / "config.json").read_text())
+    cluster_job = build_command(preset, MilesJob.placeholder(preset, _profile(preset)), hf_config=None
+                                if preset.hf_config is not None else hf_config)
+    job = MilesJob(run_id="rehearsal", hf_checkpoint=str(paths.hf_checkpoint), ref_load=str(paths.work / "ref"),
+                   save_dir=str(paths.work / "save"), miles_dir=".", log_dir=str(paths.work))
+    built = build_command(preset, job, hf_config=hf_config)
+    subs = [Substitution("model flags (--num-layers, --hidden-size, --num-experts, ...)",
+                         "V4-Flash config.json", "tiny config.json (Flash's per-head dims, 4 layers, 4 experts)",
+                         "a model a CPU runs; Miles' attention asserts Flash's per-head shapes, so those stay")]
+    argv = list(built.argv)
+    changes: list[tuple[str, object, str]] = [
+        ("--hf-checkpoint", str(paths.hf_checkpoint), "the tiny checkpoint, served by v4rl's engine"),
+        ("--prompt-data", str(paths.train_data), "a few prompts in Miles' format (same --input-key/--label-key)"),
+        ("--eval-prompt-data", ["aime", str(paths.eval_data)], "a few eval prompts under the cluster's dataset name"),
+        ("--ref-load", str(paths.work / "ref"), "work dir of this rehearsal"),
+        ("--load", str(paths.work / "save"), "work dir of this rehearsal"),
+        ("--save", str(paths.work / "save"), "work dir of this rehearsal"),
+        *[(f"--{k.replace('_', '-')}", v, "sizes a CPU decodes in about a minute") for k, v in ROLLOUT_SIZES.items()],
+        ("--rollout-num-gpus-per-engine", 1, "v4rl's engine is one process on one device"),
+        ("--sglang-tp-size", 1, "v4rl's engine is one process on one device"),
+        ("--sglang-ep-size", 1, "v4rl's engine is one process on one device"),
+        ("--sglang-context-length", context_length, "the engine's context length (the tiny model's positions)"),
+        ("--rollout-external", True, "v4rl's engine is Miles' SGLang: Miles uses engines it did not launch"),
+        ("--rollout-external-engine-addrs", engine_addr, "`v4rl serve-rollout` on 127.0.0.1"),
+        ("--actor-num-nodes", 1, "one machine (Ray logical GPUs)"),
+        ("--actor-num-gpus-per-node", 1, "one machine (Ray logical GPUs)"),
+        ("--num-gpus-per-node", 1, "one machine (Ray logical GPUs)"),
+        ("--rollout-num-gpus", 1, "one external engine (Miles counts engines from it)"),
+        ("--apply-chat-template", False, "the tiny tokenizer has no chat template; prompts are sent as plain text"),
+        ("--apply-chat-template-kwargs", False, "goes with --apply-chat-template"),
+        ("--over-sampling-batch-size", False, "a random tiny model solves nothing: every group has equal rewards and "
+                                              "dynamic sampling would drop them all, forever"),
+        ("--dynamic-sampling-filter-path", False, "goes with --over-sampling-batch-size"),
+        ("--tensor-model-parallel-size", 1, "one logical GPU for the actor"),
+        ("--pipeline-model-parallel-size", 1, "one logical GPU for the actor"),
+        ("--decoder-last-pipeline-num-layers", False, "no pipeline (PP 1)"),
+        ("--expert-model-parallel-size", 1, "one logical GPU for the actor"),
+    ]
+    if stage == "rollout":
+        changes.append(("--debug-rollout-only", True, "stage 1: Miles generates, rewards and evaluates; no actor"))
+    for flag, value, why in changes:
+        before = parse_flags(argv).get(flag)
+        shown = "(absent)" if value is False else "(set)" if value is True else _show(
+            [str(v) for v in value] if isinstance(value, list) else [str(value)])
+        if value is False:
+            argv = without_flags(argv, [flag])
+        else:
+            argv = with_flags(argv, **{flag[2:].replace("-", "_"): value})
+        cluster_value = _show(parse_flags(cluster_job.argv).get(flag))
+        if cluster_value != shown or before is None:
+            subs.append(Substitution(flag, cluster_value, shown, why))
+    env = {k: v for k, v in built.env.items() if "${" not in v and k != "PYTHONPATH"}
+    subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
+                             "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",
+                             "stand-ins injected from outside (sitecustomize), Miles' files unmodified"))
+    subs.append(Substitution("Ray", "the user's cluster (--address)", "local head, logical GPUs (--num-gpus)",
+                             "Miles' placement groups ask for GPUs; Ray accepts logical ones on a CPU machine"))
+    subs.append(Substitution("NCCL_*/RCCL, *_SOCKET_IFNAME", "the cluster's", "(dropped)",
+                             "no GPUs, no fabric: process groups are gloo on 127.0.0.1"))
+    return RehearsalJob(argv=argv, env=env, substitutions=subs)
+
+
+def _profile(preset: RunPreset):
+    from engines.profiles import get_profile
+
+    return get_profile(preset.profile)
+
+
+def substitution_table(subs: list[Substitution]) -> str:
+    """The rows as an aligned text table for the terminal."""
+    rows = [("flag or variable", "cluster", "rehearsal", "why")] + [(s.name, s.cluster, s.rehearsal, s.why)
+                                                                    for s in subs]
+    clip = [tuple(c if len(c) <= 60 else c[:57] + "..." for c in row) for row in rows]
+    widths = [max(len(r[i]) for r in clip) for i in range(3)]
+    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in clip)
