@@ -236,7 +236,8 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
 
 
 # Each area registers its own commands (`def register(app: typer.Typer) -> None`), so areas stay separate.
-COMMAND_MODULES = ("v4rl.cmd_convert", "v4rl.cmd_rollout", "v4rl.cmd_plan", "v4rl.cmd_align", "v4rl.cmd_bench")
+COMMAND_MODULES = ("v4rl.cmd_convert", "v4rl.cmd_rollout", "v4rl.cmd_plan", "v4rl.cmd_align", "v4rl.cmd_bench",
+                   "v4rl.cmd_rehearse")
 for _name in COMMAND_MODULES:
     try:
         _module = importlib.import_module(_name)

@@ -1,0 +1,55 @@
+"""A local Ray head with logical GPUs, owned by one rehearsal: started as a child (`ray start --head --block`, in
+its own process group) so that stopping the rehearsal stops exactly this Ray session (its gcs, raylet and
+workers) and nothing else on the machine, never a machine-wide `ray stop`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+START_TIMEOUT_S = 120.0
+
+
+class RaySession:
+    def __init__(self, temp_dir: Path, *, port: int, num_gpus: int, num_cpus: int, env: dict[str, str],
+                 log: Path) -> None:
+        self.address = f"127.0.0.1:{port}"
+        ray = Path(sys.executable).with_name("ray")
+        cmd = [str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+               "--num-gpus", str(num_gpus), "--num-cpus", str(num_cpus), "--temp-dir", str(temp_dir),
+               "--include-dashboard", "false", "--disable-usage-stats"]
+        self._log = log.open("w")
+        self.process = subprocess.Popen(cmd, env={**os.environ, **env, **RAY_ENV}, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready(log)
+
+    def _wait_ready(self, log: Path) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if "Ray runtime started" in log.read_text(errors="replace"):
+                return
+            if self.process.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"`ray start` exited with {self.process.returncode}: {tail[0]}")
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"Ray did not start within {START_TIMEOUT_S:.0f}s (log: {log})")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL, to this session's process group (its raylet's workers included)."""
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._log.close()

@@ -1,0 +1,58 @@
+"""`v4rl rehearse`: Miles' own train.py, unmodified, on this CPU machine with v4rl's engine as its SGLang
+(engines/rehearsal/; docs/rehearsal.md says what it proves and what it cannot).
+
+    v4rl rehearse --stage rollout                         # the vendored Miles pins where ../shared/vendor exists
+    v4rl rehearse --miles-dir ~/miles --megatron-dir ~/Megatron-LM --json rehearsal.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("rehearse")
+    def rehearse_cmd(
+        stage: str = typer.Option("rollout", help="rollout: Miles' train.py --debug-rollout-only against v4rl's "
+                                                  "engine (generate, reward, eval pass@k)."),
+        miles_dir: Path = typer.Option(None, envvar="V4RL_MILES_DIR",
+                                       help="Miles checkout (default: the vendored pin where ../shared/vendor exists)."),
+        megatron_dir: Path = typer.Option(None, envvar="V4RL_MEGATRON_DIR",
+                                          help="Megatron-LM checkout that fits that Miles (default: its pinned pair)."),
+        json_out: Path = typer.Option(None, "--json", help="Write the report (stages, rollouts, evals, "
+                                                           "substitutions) as JSON here."),
+        work_dir: Path = typer.Option(None, help="Where the checkpoint, data, logs go (default: a new temp dir)."),
+        engine_port: int = typer.Option(0, help="Port of v4rl's engine on 127.0.0.1 (0: a free one)."),
+        ray_port: int = typer.Option(0, help="Port of the local Ray head (0: a free one)."),
+        timeout: float = typer.Option(900.0, help="Seconds Miles' train.py may run before it is stopped."),
+    ) -> None:
+        """Rehearse the cluster's Miles job on CPU: Miles' own code, v4rl's engine, a tiny DeepSeek-V4."""
+        from engines.rehearsal.job import substitution_table
+        from engines.rehearsal.run import RehearsalError, RehearsalRequest, rehearse
+
+        req = RehearsalRequest(stage=stage, miles_dir=str(miles_dir) if miles_dir else None,
+                               megatron_dir=str(megatron_dir) if megatron_dir else None,
+                               work_dir=str(work_dir) if work_dir else None, engine_port=engine_port,
+                               ray_port=ray_port, timeout_s=timeout)
+        try:
+            report = rehearse(req, log=lambda line: typer.echo(line, err=True))
+        except RehearsalError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1) from None
+        typer.echo(substitution_table(report.substitutions))
+        for rollout_id, metrics in sorted(report.rollouts.items(), key=lambda kv: int(kv[0])):
+            typer.echo(f"rollout {rollout_id}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                              for k, v in metrics.items()))
+        for ev in report.evals:
+            typer.echo(f"eval {ev['rollout_id']}: " + ", ".join(f"{k}={v:.4g}" for k, v in ev["metrics"].items()))
+        if json_out:
+            json_out.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        failed = [(name, s) for name, s in report.stages.items() if not s["ok"]]
+        for name, s in report.stages.items():
+            typer.echo(f"stage {name}: {'ok' if s['ok'] else 'FAILED'} in {s['seconds']} s"
+                       + (f" - {s['error']}" if s["error"] else ""))
+        if failed:
+            raise typer.Exit(code=1)
