@@ -101,6 +101,7 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         ("--pipeline-model-parallel-size", 1, "one logical GPU for the actor"),
         ("--decoder-last-pipeline-num-layers", False, "no pipeline (PP 1)"),
         ("--expert-model-parallel-size", 1, "one logical GPU for the actor"),
+        ("--distributed-backend", "gloo", "no NCCL/RCCL on a CPU: Megatron's process groups are gloo"),
     ]
     if stage == "rollout":
         changes.append(("--debug-rollout-only", True, "stage 1: Miles generates, rewards and evaluates; no actor"))

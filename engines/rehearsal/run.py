@@ -142,7 +142,8 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     env = {**job.env, **RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
            "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("engine_stubs.py")),
            "V4RL_STUB_ROOTS": json.dumps(list(STUB_ROOTS)), "V4RL_REHEARSAL_DEVICE": json.dumps(DEVICE),
-           "V4RL_REHEARSAL_WORKAROUNDS": ",".join(WORKAROUNDS), "MILES_HOST_IP": "127.0.0.1",
+           "V4RL_REHEARSAL_WORKAROUNDS": ",".join(WORKAROUNDS),
+           "V4RL_REHEARSAL_DEVICE_PATCH": str(src.REPO / "engines/train/miles/probes/model_probe.py"), "MILES_HOST_IP": "127.0.0.1",
            "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PYTHONUNBUFFERED": "1"}
     engine = ray = None
     t0 = time.monotonic()

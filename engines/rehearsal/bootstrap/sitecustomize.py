@@ -69,22 +69,48 @@ def _add_miles_sglang_names(module):
 def _place_idle_actor(module):
     """Miles defect (both vendored generations, miles/ray/placement_group.py `_get_placement_group_layout`): with
     --rollout-external --debug-rollout-only it reserves no bundle, yet create_training_models still places one
-    (idle) actor per GPU and ray/train/actor_factory.py indexes bundle 0: IndexError before any rollout. The
-    rehearsal gives the idle actor its logical GPUs, as Miles does for --rollout-external without the debug flag.
+    (idle) actor per GPU (ray/train/actor_factory.py:89) and one SGLangEngine actor per external engine
+    (ray/rollout/server_group.py:91) in bundles: IndexError before any rollout. The rehearsal reserves the actor's
+    logical GPUs and lets both share them.
     Applied only where V4RL_REHEARSAL_WORKAROUNDS names it; the substitution table lists it."""
     real = module._get_placement_group_layout
 
     def layout(args):
         if args.rollout_external and args.debug_rollout_only:
-            gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
-            return gpus, gpus
+            # (bundles, rollout offset): the idle actor and Miles' SGLangEngine actors for the external engines
+            # (0.2 GPU each, server_group.py:91 indexes the rollout bundles) share the actor's logical GPUs
+            return args.actor_num_nodes * args.actor_num_gpus_per_node, 0
         return real(args)
 
     module._get_placement_group_layout = layout
 
 
+def _cpu_device(_module):
+    """Miles' train actor (even the idle one of --debug-rollout-only) sets its CUDA device and allocates on it: the
+    model probes' stand-in (engines/train/miles/probes/model_probe.py `patch_device`) answers as the cluster's
+    accelerator and sends CUDA tensor factories to the CPU."""
+    probe = os.environ.get("V4RL_REHEARSAL_DEVICE_PATCH")
+    device = json.loads(os.environ.get("V4RL_REHEARSAL_DEVICE") or "{}")
+    if probe and device:
+        spec = importlib.util.spec_from_file_location("v4rl_model_probe", probe)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.patch_device(device)
+
+
+def _cpu_rng(module):
+    """Megatron keeps per-parallel-group CUDA RNG states; on a CPU they are the CPU generator's (as the probes do)."""
+    import torch
+
+    module._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+    module._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+
+
+_AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng}
 _WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor)}
-_AFTER_IMPORT = {**{_WORKAROUNDS[w][0]: _WORKAROUNDS[w][1]
+_AFTER_IMPORT = {**_AFTER_IMPORT_ALWAYS, **{_WORKAROUNDS[w][0]: _WORKAROUNDS[w][1]
                     for w in (os.environ.get("V4RL_REHEARSAL_WORKAROUNDS") or "").split(",") if w in _WORKAROUNDS},
                  **{name: _add_miles_sglang_names for name in MILES_SGLANG_NAMES},
                  "megatron.training.arguments": _answer_device}
