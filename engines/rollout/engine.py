@@ -23,7 +23,7 @@ Control, with SGLang's semantics (reference/miles-sglang-megatron.md §2.2):
                 to the queue, their caches dropped and recomputed on resume | in_place: freeze them
   weight updates wait until nothing is running (new requests queue meanwhile) unless paused; inside
   a begin/end session nothing is scheduled, and `end_weight_update` rebuilds the runtime copies
-  before generation resumes (weights.py).
+  before generation resumes (weights.py; these methods live in engine_updates.py).
 
     engine = RolloutEngine("ckpt/", EngineConfig(dtype="float32"))
     [out] = engine.generate([RequestSpec(rid="a", input_ids=[0, 5, 9], sampling=SamplingParams(), seed=1)])
@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -58,20 +58,12 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     UpdateResult,
     weight_version_spans,
 )
-from engines.rollout import memory
+from engines.rollout.engine_updates import WeightUpdates
+from engines.rollout.memory import MemoryRegions
 from engines.rollout.limits import check_request_length, output_cap, scheduler_refusal
 from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
-from engines.rollout.weights import (
-    RawTensor,
-    WeightStore,
-    WeightUpdateError,
-    prepare_runtime_model,
-    randomize_runtime,
-    read_weight_dir,
-    rebuild_runtime,
-    runtime_checksums,
-)
+from engines.rollout.weights import RawTensor, WeightStore, WeightUpdateError, prepare_runtime_model, rebuild_runtime
 
 log = logging.getLogger("v4rl.rollout")
 
@@ -107,7 +99,7 @@ class _Command:
     when_idle: bool
 
 
-class RolloutEngine:
+class RolloutEngine(WeightUpdates):
     """Continuous-batching DeepSeek-V4 engine holding FP8/FP4 weights as stored (see module docstring)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
@@ -135,7 +127,7 @@ class RolloutEngine:
         """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
         self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
-        self._memory = memory.MemoryRegions()  # released regions (memory.py); requests wait while one holds
+        self._memory = MemoryRegions()  # released regions (memory.py); requests wait while one holds
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
         self._deferred: deque[_Command] = deque()
@@ -195,86 +187,6 @@ class RolloutEngine:
         if abort_all_requests:
             self.abort(abort_all=True)
         self._call(lambda: self._set_version(str(version))).result()
-
-    def update_weights_from_disk(self, path: str | Path, *, weight_version: str | None = None,
-                                 abort_all_requests: bool = False, keep_pause: bool = False,
-                                 timeout: float | None = None) -> UpdateResult:
-        """Load a whole checkpoint or one bucket from a HF-layout directory.
-
-        Inside a begin/end session the tensors are staged and applied at end_weight_update. Outside
-        one, this is begin + load + end in one step: it waits until nothing runs (or the engine is
-        paused), applies, rebuilds the runtime copies, and resumes generation unless keep_pause.
-        """
-        path = Path(path)
-        try:
-            cfg, tensors = read_weight_dir(path, fp8_block=self.store.fp8_block)  # off the scheduler thread
-        except (OSError, ValueError) as exc:
-            return UpdateResult(False, f"cannot read weights from {path}: {exc}")
-        return self.update_weights_from_tensors(tensors, source=str(path), cfg=cfg, weight_version=weight_version,
-                                                abort_all_requests=abort_all_requests, keep_pause=keep_pause,
-                                                timeout=timeout)
-
-    def update_weights_from_tensors(self, tensors: Mapping[str, RawTensor], *, source: str, cfg=None,
-                                    weight_version: str | None = None, abort_all_requests: bool = False,
-                                    keep_pause: bool = False, timeout: float | None = None) -> UpdateResult:
-        """The disk update's path for tensors already in memory (native names, stored form: a broadcast bucket)."""
-        num_aborted = self.abort(abort_all=True) if abort_all_requests else 0
-
-        def apply() -> UpdateResult:
-            update = self.store.check_update(tensors, source=source, cfg=cfg)
-            if self._session is not None:
-                self._session.update(update)
-                if weight_version is not None:
-                    self._session_version = str(weight_version)
-                return UpdateResult(True, f"Staged {len(update)} tensors from {source}; they take effect at "
-                                          "/end_weight_update.", num_aborted)
-            self._commit(update, weight_version)
-            if not keep_pause:
-                self._paused = False
-            return UpdateResult(True, f"Succeeded to update model weights from {source} ({len(update)} tensors).",
-                                num_aborted)
-
-        return self._guarded(self._call(apply, when_idle=True), timeout)
-
-    def begin_weight_update(self, timeout: float | None = None) -> UpdateResult:
-        """Open a staging session (waits until nothing runs); nothing is scheduled until it ends."""
-        def begin() -> UpdateResult:
-            if self._session is not None:
-                raise WeightUpdateError("a weight update session is already open; call /end_weight_update first")
-            self._session, self._session_version = {}, None
-            return UpdateResult(True, "Weight update session opened; generation is held until /end_weight_update.")
-
-        return self._guarded(self._call(begin, when_idle=True), timeout)
-
-    def end_weight_update(self, timeout: float | None = None) -> UpdateResult:
-        """Apply the staged tensors, rebuild every runtime copy, close the session, resume scheduling."""
-        def end() -> UpdateResult:
-            if self._session is None:
-                raise WeightUpdateError("no weight update session is open; call /begin_weight_update first")
-            staged, version = self._session, self._session_version
-            self._session = self._session_version = None
-            self._commit(staged, version)
-            return UpdateResult(True, f"Weight update session closed: {len(staged)} tensors applied, runtime "
-                                      "copies rebuilt.")
-
-        return self._guarded(self._call(end), timeout)
-
-    def release_memory_occupation(self, tags: Sequence[str] | None, *, free_weights: bool) -> int:
-        """SGLang's memory release (memory.py): refused unless idle; returns the bytes freed."""
-        return self._call(lambda: self._memory.release(memory.normalize_tags(tags), self.model, self._prefix,
-                                                       free_weights, busy=bool(self._running))).result()
-
-    def resume_memory_occupation(self, tags: Sequence[str] | None) -> None:
-        self._call(lambda: self._memory.resume(memory.normalize_tags(tags), self.model, self._rebuild)).result()
-
-    def reset_runtime_tensors(self, skip: Sequence[str] = ()) -> int:
-        """Overwrite every runtime tensor a weight update rebuilds with random values (SGLang's weights_checker
-        `reset_tensors`: a later update must restore them all); names containing a `skip` entry are kept."""
-        return self._call(lambda: randomize_runtime(self.model, skip)).result()
-
-    def checksums(self) -> dict[str, str]:
-        """sha256 of every runtime parameter and buffer (what the engine computes with)."""
-        return self._call(lambda: runtime_checksums(self.model)).result()
 
     def status(self) -> dict[str, Any]:
         def snapshot() -> dict[str, Any]:
@@ -562,16 +474,6 @@ class RolloutEngine:
             return False
         self._prefix.clear()
         return True
-
-    def _commit(self, update: Mapping[str, RawTensor], version: str | None) -> None:
-        """Apply stored tensors, rebuild every runtime copy, drop KV computed with the old weights."""
-        self.store.apply(update)
-        if not self._memory.weights_freed:  # released weights are rebuilt from the store at resume
-            self._rebuild()
-        self._prefix.clear()
-        self._stats["weight_updates"] += 1
-        if version is not None:
-            self._set_version(str(version))
 
     def _rebuild(self) -> None:
         rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz, fault=self.config.fault)
