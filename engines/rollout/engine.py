@@ -18,6 +18,10 @@ float ties); temperature-only rows sample by inverse CDF with one uniform draw e
 call (sampling.py `sample_rows`). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer
 recomputes (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
 
+Routed experts (EngineConfig.enable_return_routed_experts, a request's return_routed_experts): the experts every
+forwarded token was routed to, as the MoE kernel chose them, from its prefill (or the prefix-cache entry it was
+served from) and each decode step; returned as SGLang's rows [start, len(sequence) - 1) (docs/rollout-server.md).
+
 Control, with SGLang's semantics (reference/miles-sglang-megatron.md §2.2):
   pause(mode)   abort: finish everything with finish_reason abort | retract: running requests go back
                 to the queue, their caches dropped and recomputed on resume | in_place: freeze them
@@ -61,7 +65,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
 from engines.rollout.engine_updates import WeightUpdates
 from engines.rollout.memory import MemoryRegions
 from engines.rollout.limits import check_request_length, output_cap, scheduler_refusal
-from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
+from engines.rollout.prefill import PrefixCache, PrefixEntry, stack_routes, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
 from engines.rollout.weights import RawTensor, WeightStore, WeightUpdateError, prepare_runtime_model, rebuild_runtime
 
@@ -72,8 +76,11 @@ class _Request:
     """Scheduler-side state of one request."""
 
     def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future,
-                 progress: Callable[[RequestOutput], None] | None = None) -> None:
+                 progress: Callable[[RequestOutput], None] | None = None, record_routes: bool = False) -> None:
         self.spec, self.stop_ids, self.future, self.progress = spec, stop_ids, future, progress
+        self.record_routes = record_routes
+        self.routes: list[torch.Tensor] = []
+        """int32 [tokens, layers, top_k] chunks: row p is the routing of position p when it was forwarded."""
         self.stream = UniformStream(torch.Generator().manual_seed(spec.seed % (2**63)))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -90,6 +97,13 @@ class _Request:
     @property
     def sequence(self) -> list[int]:
         return self.spec.input_ids + self.output_ids
+
+    def add_prefill_routes(self, routes: torch.Tensor) -> None:
+        """A prefill's routes [len(sequence), layers, top_k]. Rows a retracted request recorded before stay: row p
+        routed the forward that gave token p+1 its logprob, which the request keeps (radixark/miles#3277: a
+        re-prefill must not pair old logprobs with new routes); the re-prefill supplies the last row only."""
+        kept = torch.cat(self.routes)[:len(routes) - 1] if self.routes else routes[:0]
+        self.routes = [kept, routes[len(kept):]]
 
 
 @dataclass
@@ -149,7 +163,8 @@ class RolloutEngine(WeightUpdates):
         for s in specs:
             self._validate(s)
         futures: list[Future] = [Future() for _ in specs]
-        pending = [_Request(s, self._stop_ids(s), f, None if progress is None else partial(progress, i))
+        pending = [_Request(s, self._stop_ids(s), f, None if progress is None else partial(progress, i),
+                            s.return_routed_experts and self.config.enable_return_routed_experts)
                    for i, (s, f) in enumerate(zip(specs, futures))]
 
         def failed(cmd: Future) -> None:  # engine stopped before the requests were queued
@@ -236,6 +251,9 @@ class RolloutEngine(WeightUpdates):
         check_request_length(prompt_tokens=n, max_new_tokens=None, context_length=self.context_length)
         if not -1 <= s.logprob_start_len <= n:
             raise ValueError(f"request {s.rid}: logprob_start_len {s.logprob_start_len} must be -1 or in [0, {n}]")
+        if s.return_routed_experts and not 0 <= s.routed_experts_start_len <= n:
+            raise ValueError(f"request {s.rid}: routed_experts_start_len {s.routed_experts_start_len} must be in "
+                             f"[0, {n}] (the prompt's length)")
         if s.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {s.rid}: stop strings need a tokenizer, and {self.model_dir} has none; "
                              "use stop_token_ids")
@@ -341,6 +359,8 @@ class RolloutEngine(WeightUpdates):
                 self._stats["cached_tokens"] += len(key)
             seen.add(key)
             r.next_logits = entry.last_logits
+            if r.record_routes:
+                r.add_prefill_routes(entry.routes)
             if r.input_logprobs is None:
                 self._set_input_logprobs(r, entry.token_logprobs, top)
             if r.spec.sampling.max_new_tokens == 0:
@@ -398,10 +418,15 @@ class RolloutEngine(WeightUpdates):
         self._keep_running(keep)
         self._last_decode = None
         if keep:
-            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch)
+            routes = [] if any(r.record_routes for r in keep) else None
+            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch, routes)
             views = nxt.unbind(0)
             for r, v in zip(keep, views):
                 r.next_logits = v
+            if routes is not None:
+                for r, row in zip(keep, stack_routes(routes, len(keep))):
+                    if r.record_routes:
+                        r.routes.append(row)
             self._last_decode = (nxt, views)
 
     def _keep_running(self, keep: list[_Request]) -> None:
@@ -440,7 +465,15 @@ class RolloutEngine(WeightUpdates):
             input_logprobs=r.input_logprobs or [], input_top_logprobs=r.input_top,
             cached_tokens=r.cached_tokens, num_retractions=r.num_retractions,
             weight_version=spans[-1]["version"],  # the weights of its last tokens (SGLang's meta_info)
-            e2e_latency=time.monotonic() - r.created, weight_versions=spans)
+            e2e_latency=time.monotonic() - r.created, weight_versions=spans,
+            routed_experts=self._routed_experts(r) if reason is not None and r.record_routes else None)
+
+    @staticmethod
+    def _routed_experts(r: _Request) -> torch.Tensor:
+        """SGLang's rows [start, len(sequence) - 1): every forwarded token but the last one (whose forward, if it
+        ran, feeds no returned logprob)."""
+        rows = torch.cat(r.routes) if r.routes else torch.empty(0, dtype=torch.int32)
+        return rows[r.spec.routed_experts_start_len:len(r.sequence) - 1]
 
     def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
         r.next_logits = None
