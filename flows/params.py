@@ -88,6 +88,7 @@ class PipelineParams(BaseModel):
     rollout_correction: Mode = Field(_CORRECTION.mode, description=_CORRECTION_DOCS["mode"])
     opsm: bool = Field(_CORRECTION.opsm, description=_CORRECTION_DOCS["opsm"])
     opsm_delta: float = Field(_CORRECTION.opsm_delta, ge=0, description=_CORRECTION_DOCS["opsm_delta"])
+    routing_replay: bool = Field(_CORRECTION.routing_replay, description=_CORRECTION_DOCS["routing_replay"])
     metric_sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="Dashboards mirroring metrics.jsonl and eval/: tensorboard "
                                           "(<run_dir>/tensorboard/), wandb (offline under <run_dir>/wandb/ unless "
@@ -214,8 +215,9 @@ class PipelineParams(BaseModel):
     @model_validator(mode="after")
     def _correction_reaches_the_trainer(self) -> "PipelineParams":
         self.correction()  # ValueError naming the field and the fix
-        if self.preset != "tiny-cpu" and (self.rollout_correction not in CLUSTER_CORRECTIONS or self.opsm):
-            wanted = f"rollout_correction={self.rollout_correction!r}" + (" with opsm" if self.opsm else "")
+        extras = [name for name in ("opsm", "routing_replay") if getattr(self, name)]
+        if self.preset != "tiny-cpu" and (self.rollout_correction not in CLUSTER_CORRECTIONS or extras):
+            wanted = f"rollout_correction={self.rollout_correction!r}" + "".join(f" with {e}" for e in extras)
             raise ValueError(f"{wanted} runs in the embedded tiny-cpu trainer only; v4rl's Miles job for {self.preset} "
                              f"carries {' or '.join(CLUSTER_CORRECTIONS)} (--use-tis) so far: choose one of those, "
                              "or run the mode on tiny-cpu (docs/rollout-correction.md lists Miles' own flags)")
@@ -223,7 +225,8 @@ class PipelineParams(BaseModel):
 
     def correction(self) -> RolloutCorrection:
         """The run's rl.correction_setting.RolloutCorrection (the embedded trainer's TrainRunConfig field)."""
-        return RolloutCorrection(mode=self.rollout_correction, opsm=self.opsm, opsm_delta=self.opsm_delta)
+        return RolloutCorrection(mode=self.rollout_correction, opsm=self.opsm, opsm_delta=self.opsm_delta,
+                                 routing_replay=self.routing_replay)
 
     @field_validator("store_url")
     @classmethod

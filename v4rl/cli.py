@@ -29,9 +29,9 @@ if not os.environ.get("TERMINAL_WIDTH"):
 from rl.field_docs import field_default_and_doc  # noqa: E402
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
-CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA = (
+CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
     field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
-    for name in ("mode", "opsm", "opsm_delta"))
+    for name in ("mode", "opsm", "opsm_delta", "routing_replay"))
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -105,6 +105,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           rollout_correction: str = typer.Option(CORRECTION_MODE[0], help=CORRECTION_MODE[1]),
           opsm: bool = typer.Option(CORRECTION_OPSM[0], "--opsm", help=CORRECTION_OPSM[1]),
           opsm_delta: float = typer.Option(CORRECTION_OPSM_DELTA[0], help=CORRECTION_OPSM_DELTA[1]),
+          routing_replay: bool = typer.Option(CORRECTION_ROUTING_REPLAY[0], "--routing-replay",
+                                              help=CORRECTION_ROUTING_REPLAY[1]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
                                                      "dropped and counted. The tiny base solves only its own wording: "
@@ -154,7 +156,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                          rollout_expert_dtype=rollout_expert_dtype)
     correction = None
     try:
-        correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta)
+        correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta,
+                                       routing_replay=routing_replay)
     except ValueError as exc:
         problems.append(f"--rollout-correction / --opsm-delta: {exc}")
     if problems:
