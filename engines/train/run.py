@@ -268,9 +268,7 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                                         "recompute": config.recompute,
                                         "quantization_aware": config.quantization_aware,
                                         "rollout_expert_dtype": config.rollout_expert_dtype},
-                        grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
-                                     "dynamic_sampling": config.loop.dynamic_sampling,
-                                     "rollout_correction": config.rollout_correction.to_dict()},
+                        grpo_config={"rollout_correction": config.rollout_correction.to_dict()},
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})
