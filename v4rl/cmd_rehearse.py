@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Rehearse the cluster's Miles job on CPU: Miles' own code, v4rl's engine, a tiny DeepSeek-V4."""
         from engines.rehearsal.job import substitution_table
+        from engines.rehearsal.metrics import MilesMetrics, metrics_summary
         from engines.rehearsal.run import RehearsalError, RehearsalRequest, rehearse
 
         req = RehearsalRequest(stage=stage, miles_dir=str(miles_dir) if miles_dir else None,
@@ -43,11 +44,8 @@ def register(app: typer.Typer) -> None:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1) from None
         typer.echo(substitution_table(report.substitutions))
-        for rollout_id, metrics in sorted(report.rollouts.items(), key=lambda kv: int(kv[0])):
-            typer.echo(f"rollout {rollout_id}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                              for k, v in metrics.items()))
-        for ev in report.evals:
-            typer.echo(f"eval {ev['rollout_id']}: " + ", ".join(f"{k}={v:.4g}" for k, v in ev["metrics"].items()))
+        for line in metrics_summary(MilesMetrics(report.rollouts, report.evals)):
+            typer.echo(line)
         if json_out:
             json_out.write_text(json.dumps(report.to_json(), indent=1) + "\n")
         failed = [(name, s) for name, s in report.stages.items() if not s["ok"]]

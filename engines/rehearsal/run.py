@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,11 +147,15 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
            "V4RL_REHEARSAL_DEVICE_PATCH": str(src.REPO / "engines/train/miles/probes/model_probe.py"), "MILES_HOST_IP": "127.0.0.1",
            "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PYTHONUNBUFFERED": "1"}
     engine = ray = None
+    ray_dir = _ray_temp_dir(work)
     t0 = time.monotonic()
     try:
         engine = _start_engine(hf, engine_port, work / "engine.log")
         log(f"engine: v4rl serve-rollout on 127.0.0.1:{engine_port}; Ray head 127.0.0.1:{ray_port}")
-        ray = RaySession(work / "ray", port=ray_port, num_gpus=2, num_cpus=4, env=env, log=work / "ray.log")
+        try:
+            ray = RaySession(ray_dir, port=ray_port, num_gpus=2, num_cpus=4, env=env, log=work / "ray.log")
+        except (RuntimeError, TimeoutError) as exc:
+            raise RehearsalError(f"ray: {exc}") from None
         log(f"Miles {miles.name} (generation {gen}): train.py {' '.join(argv[-6:])} ...")
         error = _run_miles(miles, argv, env, work, req.timeout_s)
     finally:
@@ -158,6 +163,8 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
             ray.stop()
         if engine is not None:
             _stop(engine)
+        if not ray_dir.is_relative_to(work):
+            shutil.rmtree(ray_dir, ignore_errors=True)
     seconds = round(time.monotonic() - t0, 1)
     metrics = read_metrics(work / "miles.log")
     report.rollouts, report.evals = metrics.rollouts, metrics.evals
@@ -165,6 +172,19 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         error = "Miles exited without logging a rollout (see miles.log)"
     report.stages[req.stage] = {"ok": error is None, "seconds": seconds, "error": error}
     return report
+
+
+RAY_SOCKET_TAIL = len("/session_2026-12-02_17-57-36_298885_4194304/sockets/plasma_store")
+UNIX_SOCKET_MAX = 107
+
+
+def _ray_temp_dir(work: Path) -> Path:
+    """work/ray, unless Ray's socket paths under it would pass the AF_UNIX limit (107 bytes; pytest's tmp_path
+    does): then a short, new directory under /tmp."""
+    ray_dir = work / "ray"
+    if len(str(ray_dir)) + RAY_SOCKET_TAIL <= UNIX_SOCKET_MAX:
+        return ray_dir
+    return Path(tempfile.mkdtemp(prefix="v4rl-ray-", dir="/tmp"))
 
 
 def _context_length(hf: Path) -> int:

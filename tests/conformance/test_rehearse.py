@@ -6,11 +6,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 import socket
+import subprocess
+import sys
 
 import pytest
 
+from engines.rehearsal.job import RehearsalPaths, rehearsal_job
+from engines.rehearsal.metrics import read_metrics
 from engines.rehearsal.run import RehearsalError, RehearsalRequest, free_port, rehearse, resolve_trees
+from engines.rehearsal.tiny_model import tiny_miles_config
+
+ENGINE = "127.0.0.1:31777"
 
 
 def test_missing_miles_dir_is_one_line(tmp_path):
@@ -45,6 +54,58 @@ def test_unbuilt_stage_is_refused():
         rehearse(RehearsalRequest(stage="train"))
 
 
+def _job(tmp_path):
+    from engines.run_presets import SEED_RUN
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(tiny_miles_config().to_hf_dict()))
+    return rehearsal_job(SEED_RUN, RehearsalPaths(hf, tmp_path / "t.jsonl", tmp_path / "e.jsonl", tmp_path),
+                         engine_addr=ENGINE, context_length=4096)
+
+
+_ROUTER_ARGS = """
+import argparse, json, sys
+from sglang_router.launch_router import RouterArgs
+parser = argparse.ArgumentParser()
+RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)  # as miles/utils/arguments.py
+args, _ = parser.parse_known_args(json.loads(sys.argv[1]))
+router = RouterArgs.from_cli_args(args, use_router_prefix=True)              # as ray/rollout/router_manager.py
+print(json.dumps({"worker_urls": router.worker_urls, "prometheus_host": router.prometheus_host}))
+"""
+
+
+def test_miles_router_gets_the_engine_and_binds_metrics_to_loopback(tmp_path, sglang_paths):
+    """With --rollout-external Miles never registers the engine with the router it launches: the job hands it
+    to the router (--worker-urls), else every /generate is 503 no_available_workers; metrics on 127.0.0.1."""
+    job = _job(tmp_path)
+    env = {"PYTHONPATH": ":".join(map(str, sglang_paths))}
+    out = subprocess.run([sys.executable, "-c", _ROUTER_ARGS, json.dumps(job.argv)], capture_output=True,
+                         text=True, env=env, timeout=120, check=True).stdout
+    assert json.loads(out) == {"worker_urls": [f"http://{ENGINE}"], "prometheus_host": "127.0.0.1"}
+    assert {"--worker-urls", "--router-prometheus-host"} <= {s.name for s in job.substitutions}
+
+
+def test_read_metrics_reads_miles_rollout_and_eval_lines(tmp_path):
+    log = tmp_path / "miles.log"
+    prefix = "(RolloutManager pid=1, ip=127.0.0.1) [2026-12-02 18:00:00 miles] metrics.py:99 - "
+    log.write_text("\n".join([
+        "unrelated line",
+        prefix + "eval 0: {'eval/aime': 0.0, 'eval/aime-pass@4': np.float64(0.25), "
+                 "'eval/aime-none_reward_ratio': 0.0, 'eval/aime-truncated_ratio': 1.0}",
+        prefix + "perf 0: {'rollout/response_len/mean': 24.0, 'perf/rollout_time': 3.5}",
+        prefix + "rollout 0: {'rollout/raw_reward': 0.0, 'rollout/step': 0}",
+        prefix + "perf 1: {'rollout/response_len/mean': 20.0} [repeated 2x across cluster]",
+    ]) + "\n")
+    m = read_metrics(log)
+    assert m.rollouts == {"0": {"rollout/response_len/mean": 24.0, "perf/rollout_time": 3.5,
+                                "rollout/raw_reward": 0.0},
+                          "1": {"rollout/response_len/mean": 20.0}}
+    assert m.evals == [{"rollout": 0, "datasets": {"aime": {"reward": 0.0, "pass@4": 0.25, "none_reward_ratio": 0.0,
+                                                            "truncated_ratio": 1.0}}}]
+    assert read_metrics(tmp_path / "absent.log").rollouts == {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", ["miles_tree", "miles_gen2_tree"])
 def test_rollout_stage_runs_miles_train_py(generation, request, sglang_paths, tmp_path):
@@ -54,3 +115,11 @@ def test_rollout_stage_runs_miles_train_py(generation, request, sglang_paths, tm
     assert stage["ok"], stage["error"]
     assert report.rollouts and report.evals
     assert any(s.name == "--rollout-external" for s in report.substitutions)
+
+
+def test_ray_temp_dir_stays_within_the_unix_socket_limit(tmp_path):
+    from engines.rehearsal.run import RAY_SOCKET_TAIL, UNIX_SOCKET_MAX, _ray_temp_dir
+
+    deep = tmp_path / ("w" * 80)
+    assert len(str(_ray_temp_dir(deep))) + RAY_SOCKET_TAIL <= UNIX_SOCKET_MAX
+    assert _ray_temp_dir(Path("/tmp/r")) == Path("/tmp/r/ray")

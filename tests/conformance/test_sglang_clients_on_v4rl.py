@@ -72,3 +72,49 @@ def test_kl_logprob_checks(v4rl_url, sglang_worker, tmp_path, tiny_checkpoint):
     kls = [float(x) for x in re.findall(r"avg_kl_div=([0-9.eE+-]+)", out["printed"])]
     assert len(kls) == 2 and all(k < KL_BOUND for k in kls), out["printed"]
     assert "cache miss" not in out["printed"]  # every prompt was served from the prefix cache the second time
+
+
+def test_sglang_router_admits_v4rl_as_a_healthy_worker(v4rl_url, sglang_paths, tmp_path):
+    """sglang-router (the Rust router Miles launches) with v4rl's engine in --worker-urls: its add-worker workflow
+    (HTTP /health, then /get_server_info + /get_model_info metadata) marks it healthy and /generate is routed."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    router = f"http://127.0.0.1:{ports[0]}"
+    log = (tmp_path / "router.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                             str(ports[0]), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports[1]),
+                             "--worker-urls", v4rl_url], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, sglang_paths))},
+                            start_new_session=True)
+    try:
+        workers, deadline = [], time.monotonic() + 90
+        while time.monotonic() < deadline and not any(w.get("is_healthy") for w in workers):
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(f"{router}/workers", timeout=5) as r:
+                    workers = json.load(r)["workers"]
+            except OSError:
+                continue
+        assert [w["url"] for w in workers if w["is_healthy"]] == [v4rl_url], (tmp_path / "router.log").read_text()
+        assert workers[0]["connection_mode"] == "HTTP" and workers[0]["metadata"]["model_type"] == "deepseek_v4"
+        body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode()
+        req = urllib.request.Request(f"{router}/generate", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.load(r)
+        assert out["meta_info"]["completion_tokens"] >= 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+        log.close()
