@@ -145,6 +145,7 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
            "V4RL_STUB_ROOTS": json.dumps(list(STUB_ROOTS)), "V4RL_REHEARSAL_DEVICE": json.dumps(DEVICE),
            "V4RL_REHEARSAL_WORKAROUNDS": ",".join(WORKAROUNDS),
            "V4RL_REHEARSAL_DEVICE_PATCH": str(src.REPO / "engines/train/miles/probes/model_probe.py"), "MILES_HOST_IP": "127.0.0.1",
+           "V4RL_REHEARSAL_DRIVER": str((miles / "train.py").resolve()),
            "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PYTHONUNBUFFERED": "1"}
     engine = ray = None
     ray_dir = _ray_temp_dir(work)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 import socket
 import subprocess
@@ -113,13 +114,32 @@ def test_rollout_stage_runs_miles_train_py(generation, request, sglang_paths, tm
     report = rehearse(RehearsalRequest(miles_dir=str(miles), work_dir=str(tmp_path), timeout_s=900))
     stage = report.stages["rollout"]
     assert stage["ok"], stage["error"]
-    assert report.rollouts and report.evals
+    assert sorted(report.rollouts) == ["0", "1"]  # --num-rollout 2: Miles' own rollout-side metrics of each
+    assert all(0 < r["rollout/response_len/mean"] <= 24 for r in report.rollouts.values())
+    assert {"pass@1", "pass@4", "truncated_ratio"} <= set(report.evals[0]["datasets"]["aime"])
     assert any(s.name == "--rollout-external" for s in report.substitutions)
 
 
 def test_ray_temp_dir_stays_within_the_unix_socket_limit(tmp_path):
     from engines.rehearsal.run import RAY_SOCKET_TAIL, UNIX_SOCKET_MAX, _ray_temp_dir
 
-    deep = tmp_path / ("w" * 80)
-    assert len(str(_ray_temp_dir(deep))) + RAY_SOCKET_TAIL <= UNIX_SOCKET_MAX
+    short = _ray_temp_dir(tmp_path / ("w" * 80))
+    shutil.rmtree(short)
+    assert len(str(short)) + RAY_SOCKET_TAIL <= UNIX_SOCKET_MAX
     assert _ray_temp_dir(Path("/tmp/r")) == Path("/tmp/r/ray")
+
+
+@pytest.mark.parametrize("body,status", [("pass", 0), ("raise ValueError('x')", 1), ("sys.exit(3)", 3)])
+def test_driver_exit_keeps_its_status_and_runs_atexit_handlers(tmp_path, body, status):
+    """The driver ends through os._exit after the other atexit handlers (Ray's shutdown among them): the status
+    is the script's own, handlers registered after the bootstrap (as Ray's are) still ran, and what would hang
+    later in the interpreter's teardown (as _raylet.so's destructors do; here a finalizer) never runs."""
+    from engines.rehearsal.run import BOOTSTRAP
+
+    script = tmp_path / "train.py"
+    script.write_text("import atexit, sys, time\natexit.register(lambda: print('ray shutdown ran'))\n"
+                      "class HangsAtTeardown:\n    def __del__(self, sleep=time.sleep):\n        sleep(600)\n"
+                      f"held = HangsAtTeardown()\n{body}\n")
+    env = {"PYTHONPATH": str(BOOTSTRAP), "V4RL_REHEARSAL_DRIVER": str(script), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=30)
+    assert done.returncode == status and "ray shutdown ran" in done.stdout, done.stderr
