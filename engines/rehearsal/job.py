@@ -12,10 +12,12 @@ the cluster job changes: data keys, Miles' reward, GRPO + TIS flags, eval with p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.layout.specs import ParallelSpec
 from engines.run_spec import RunPreset
 from engines.train.miles.command import MilesJob, build_command, parse_flags
 from engines.train.miles.jobs import with_flags, without_flags
@@ -69,7 +71,9 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
                                 if preset.hf_config is not None else hf_config)
     job = MilesJob(run_id="rehearsal", hf_checkpoint=str(paths.hf_checkpoint), ref_load=str(paths.work / "ref"),
                    save_dir=str(paths.work / "save"), miles_dir=".", log_dir=str(paths.work))
-    built = build_command(preset, job, hf_config=hf_config)
+    # built at one device's parallelism: the cluster's PP4 stage sizes (a 10-layer last stage) cannot split the
+    # tiny model's 4 layers, and generation 2 writes them into --pipeline-model-parallel-layout
+    built = build_command(dataclasses.replace(preset, parallel=ParallelSpec()), job, hf_config=hf_config)
     subs = [Substitution("model flags (--num-layers, --hidden-size, --num-experts, ...)",
                          "V4-Flash config.json", "tiny config.json (Flash's per-head dims, 4 layers, 4 experts)",
                          "a model a CPU runs; Miles' attention asserts Flash's per-head shapes, so those stay")]
@@ -119,6 +123,10 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         cluster_value = _show(parse_flags(cluster_job.argv).get(flag))
         if cluster_value != shown or before is None:
             subs.append(Substitution(flag, cluster_value, shown, why))
+    layout = "--pipeline-model-parallel-layout"
+    if layout in parse_flags(argv) or layout in parse_flags(cluster_job.argv):
+        subs.append(Substitution(layout, _show(parse_flags(cluster_job.argv).get(layout)),
+                                 _show(parse_flags(argv).get(layout)), "one pipeline stage (PP 1)"))
     env = {k: v for k, v in built.env.items() if "${" not in v and k != "PYTHONPATH"}
     subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
                              "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",

@@ -131,8 +131,11 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         make_tiny_checkpoint(hf)
     train, evals = write_data(work)
     preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=gen))
-    job = rehearsal_job(preset, RehearsalPaths(hf, train, evals, work), engine_addr=f"127.0.0.1:{engine_port}",
-                        stage=req.stage, context_length=_context_length(hf))
+    try:
+        job = rehearsal_job(preset, RehearsalPaths(hf, train, evals, work), engine_addr=f"127.0.0.1:{engine_port}",
+                            stage=req.stage, context_length=_context_length(hf))
+    except ValueError as exc:  # the cluster preset's job cannot be built for the tiny model (a layout rule's line)
+        raise RehearsalError(f"the rehearsal job: {exc}") from None
     argv = job.argv + dsv4_impl_args(detect_generation(miles))
     report.substitutions = job.substitutions + [Substitution(
         "miles/ray/placement_group.py _get_placement_group_layout", "(0, 0) bundles with --rollout-external "

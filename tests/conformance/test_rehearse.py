@@ -143,3 +143,23 @@ def test_driver_exit_keeps_its_status_and_runs_atexit_handlers(tmp_path, body, s
     env = {"PYTHONPATH": str(BOOTSTRAP), "V4RL_REHEARSAL_DRIVER": str(script), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=30)
     assert done.returncode == status and "ray shutdown ran" in done.stdout, done.stderr
+
+
+def test_generation_2_job_lays_the_tiny_model_on_one_stage(tmp_path):
+    """Generation 2 writes the stage sizes into --pipeline-model-parallel-layout: the cluster's PP4 with a
+    10-layer last stage cannot split 4 layers, so the job is built at one device's parallelism."""
+    import dataclasses
+
+    from engines.run_presets import SEED_RUN
+
+    preset = dataclasses.replace(SEED_RUN, miles=dataclasses.replace(SEED_RUN.miles, generation=2))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(tiny_miles_config().to_hf_dict()))
+    job = rehearsal_job(preset, RehearsalPaths(hf, tmp_path / "t.jsonl", tmp_path / "e.jsonl", tmp_path),
+                        engine_addr=ENGINE, context_length=4096)
+    argv = job.argv
+    assert argv[argv.index("--pipeline-model-parallel-size") + 1] == "1"
+    rows = {s.name: s for s in job.substitutions}
+    assert "|" not in rows["--pipeline-model-parallel-layout"].rehearsal
+    assert rows["--pipeline-model-parallel-layout"].cluster.count("|") == 3
