@@ -43,8 +43,9 @@ class _Command:
     """`v4rl ARGS` in a child process of its own session, its output in a file."""
 
     def __init__(self, tmp_path: Path, name: str, *args: str, env: dict | None = None) -> None:
+        """`env`: the child's whole environment (default: this process's)."""
         self.log = tmp_path / f"{name}.log"
-        environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+        environ = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -147,7 +148,10 @@ def test_a_live_holder_is_named_and_a_dead_ones_lock_is_taken_over_with_a_note(t
 
 def test_ctrl_c_during_the_demo_ends_it_in_seconds_with_the_flow_run_crashed(tmp_path):
     workdir = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    # No PREFECT_* of this session (the shared test server sets PREFECT_LOGGING_LEVEL=WARNING, which would hide
+    # the flow's step lines): the demo as a user starts it, with its own server and home
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     demo = _Command(tmp_path, "demo", "demo", "--workdir", str(workdir), "--steps", "40", env=env)
     try:
         demo.wait_for("step 1:")
