@@ -16,7 +16,6 @@ from typing import Any, Literal
 import torch
 
 from engines.rollout.sampling import SamplingParams
-from engines.rollout.weights import FAULTS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -44,8 +43,6 @@ class EngineConfig:
     """Intra-op CPU threads of the scheduler thread (torch.set_num_threads there; other threads keep theirs).
     None keeps torch's default. A decode step of a small model is thousands of tiny ops, where waking a second
     thread can cost more than it saves: bench/rollout.py measures 1 thread against the default."""
-    fault: str | None = None
-    """Tests only: simulate a known weight-update bug in every rebuild after the first (weights.FAULTS)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,8 +51,6 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1; got {self.max_running_requests}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None (torch's default); got {self.threads}")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}; got {self.fault!r}")
 
     @property
     def rocm_fnuz(self) -> bool:
