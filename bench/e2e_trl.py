@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.e2e_settings import E2ESettings, step_prompts, synthetic_grader
+from bench.e2e_settings import E2ESettings, step_prompts, synthetic_grader, v4rl_config
 
 DIFFERENCES = {
     "tis": "v4rl reweights each token by TIS (its rollout engine samples from FP8 weights, its trainer computes "
@@ -84,7 +84,7 @@ def trl_config(settings: E2ESettings, output_dir: str, longest_prompt: int):
     from engines.train.trainer import TrainerConfig
     from rl.grpo import GRPOConfig as V4rlGRPO
 
-    s, ours, optimizer = settings, V4rlGRPO(n_samples_per_prompt=settings.n_samples), TrainerConfig()
+    s, ours, optimizer = settings, V4rlGRPO(), TrainerConfig()
     batch = micro_batch_size(s, longest_prompt + s.max_new_tokens)
     return GRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=True, seed=s.seed, report_to=[], disable_tqdm=True,
@@ -97,8 +97,8 @@ def trl_config(settings: E2ESettings, output_dir: str, longest_prompt: int):
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
         adam_beta1=optimizer.betas[0], adam_beta2=optimizer.betas[1], weight_decay=optimizer.weight_decay,
         max_grad_norm=ours.max_grad_norm,
-        loss_type="dapo", epsilon=ours.clip_low, epsilon_high=ours.clip_high, beta=ours.kl_coef,
-        scale_rewards="group" if ours.normalize_std else "none", mask_truncated_completions=False,
+        loss_type="dapo", epsilon=ours.clip_low, epsilon_high=ours.clip_high, beta=0.0,  # v4rl: no KL term
+        scale_rewards="group" if v4rl_config(s).loop.normalize_std else "none", mask_truncated_completions=False,
         router_aux_loss_coef=0.0,  # v4rl has no load-balancing loss; TRL would add the model config's
         activation_checkpointing=False,  # TRL defaults to recomputing activations; v4rl does not (recompute off)
     )

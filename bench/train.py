@@ -70,8 +70,8 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
     machine = machine_info()
     cfg, native = load_hf_checkpoint(model_dir)
     samples = _samples(model_dir, n_sequences, samples_per_prompt, seed)
-    grpo = GRPOConfig(n_samples_per_prompt=samples_per_prompt)
-    tconf = TrainerConfig(lr=grpo.lr, max_tokens_per_gpu=max_tokens, compute_dtype="bfloat16")
+    grpo = GRPOConfig()
+    tconf = TrainerConfig(max_tokens_per_gpu=max_tokens, compute_dtype="bfloat16")
 
     def fresh() -> Any:  # reference_from_native assigns the given tensors: clone so the sides share nothing
         return reference_from_native(cfg, {k: v.clone() for k, v in native.items()})

@@ -23,7 +23,7 @@ from engines.dsv4_flash import flash_config
 from engines.layout import (ClusterSpec, InfeasibleLayout, LayoutInput, ModelShape, ParallelSpec, Plan,
                             RolloutSpec, TrainSpec, dsv4_flash_shape, plan_layout, tiny_cpu_shape)
 from engines.profiles import HardwareProfile, get_profile
-from engines.run_spec import DataSpec, EvalSpec, MilesSettings, RunPreset
+from engines.run_spec import AlgorithmSpec, DataSpec, EvalSpec, MilesSettings, RunPreset
 
 SEED_RUN = RunPreset(
     name="dsv4-flash-mi355x",
@@ -35,7 +35,7 @@ SEED_RUN = RunPreset(
                     max_response_len=4096),
     rollout=RolloutSpec(engine_tp=4, engine_ep=4, engine_dp=1, max_running_requests=48, max_total_tokens=524288,
                         context_length=16384, mem_fraction_static=0.5),  # 0.5: Miles' DeepSeek-V4 launcher
-    num_rollout=200, eval=EvalSpec(interval=10, n_samples_per_prompt=8),
+    num_rollout=200, eval=EvalSpec(interval=10, n_samples_per_prompt=8, n_problems=30),  # AIME 2024's 30
 )
 
 # Miles' AMD launcher (scripts/amd/run_deepseek_v4.py `train`, --mode normal) for the two layouts it has a
@@ -62,19 +62,31 @@ MILES_32GPU_RUN = RunPreset(
     train=dataclasses.replace(_MILES_LAUNCHER_TRAIN, optimizer_offload=0.75), rollout=_MILES_LAUNCHER_ROLLOUT,
     num_rollout=3000, miles=MilesSettings(offload_train=False),
 )
+# The embedded run, as `v4rl train`, the rl-pipeline form (PipelineParams) and `v4rl plan --preset tiny-cpu` all run
+# it: 100 steps of 128 prompts x 8 samples at lr 1e-4, 8 new tokens at temperature 1, evaluated on 200 held-out
+# problems x 8 samples every 10 steps (docs/results.md measured exactly this).
 TINY_RUN = RunPreset(
     name="tiny-cpu",
     description="The embedded default: the tiny DeepSeek-V4 on one CPU, rollout and trainer colocated, no Miles.",
     model=tiny_cpu_shape, profile="cpu", nodes=1, rollout_nodes=0, parallel=ParallelSpec(),
-    train=TrainSpec(max_tokens_per_gpu=2048, recompute="none", optimizer_offload=0.0, rollout_batch_size=16,
-                    n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=192, max_response_len=64,
+    train=TrainSpec(max_tokens_per_gpu=8192, recompute="none", optimizer_offload=0.0, rollout_batch_size=128,
+                    n_samples_per_prompt=8, num_steps_per_rollout=1, max_prompt_len=192, max_response_len=8,
                     reserve_gb=0.5),
     rollout=RolloutSpec(engine_tp=1, engine_ep=1, engine_dp=1, max_running_requests=128, max_total_tokens=65536,
                         context_length=512, mem_fraction_static=0.5, expert_format="fp4", kv_bytes_per_elem=4.0,
                         reserve_gb=0.5),
-    num_rollout=300, mode="normal", data=DataSpec(prompt_data="", chat_template_kwargs=None),
-    eval=EvalSpec(interval=25, n_samples_per_prompt=8, datasets=(("held-out", ""),)),
+    num_rollout=100, seed=0, mode="normal",
+    data=DataSpec(prompt_data="", chat_template_kwargs=None, temperature=1.0),
+    eval=EvalSpec(interval=10, n_samples_per_prompt=8, n_problems=200, max_response_len=8,
+                  datasets=(("held-out", ""),)),
+    algorithm=AlgorithmSpec(lr=1e-4),
 )
+SHORT_RUNS: dict[str, dict[str, Any]] = {
+    "demo": dict(steps=10, prompts_per_step=32, n_eval=64),
+    "nightly": dict(steps=4, eval_interval=4, prompts_per_step=32, n_eval=64),
+}
+"""The smaller tiny-cpu runs, as overrides of TINY_RUN in the form's names (RUN_NUMBERS): `v4rl demo` (a few
+minutes; its eval_interval follows --steps, halfway and at the end) and the nightly validation (flows/nightly.py)."""
 RUN_PRESETS: dict[str, RunPreset] = {p.name: p for p in (SEED_RUN, MILES_1NODE_RUN, MILES_32GPU_RUN, TINY_RUN)}
 
 # override key -> (section, field); "pp" clears the preset's first/last stage sizes (give pp_first/pp_last too).
@@ -96,8 +108,9 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "sglang_tp": ("rollout", "engine_tp"), "sglang_ep": ("rollout", "engine_ep"), "sglang_dp": ("rollout", "engine_dp"),
     "max_running_requests": ("rollout", "max_running_requests"), "max_total_tokens": ("rollout", "max_total_tokens"),
     "context_length": ("rollout", "context_length"), "mem_fraction_static": ("rollout", "mem_fraction_static"),
-    "num_rollout": ("run", "num_rollout"), "mode": ("run", "mode"),
+    "num_rollout": ("run", "num_rollout"), "mode": ("run", "mode"), "seed": ("run", "seed"),
     "eval_interval": ("eval", "interval"), "n_samples_per_eval_prompt": ("eval", "n_samples_per_prompt"),
+    "eval_problems": ("eval", "n_problems"), "temperature": ("data", "temperature"),
     "eval_datasets": ("eval", "datasets"), "eval_max_response_len": ("eval", "max_response_len"),
     "prompt_data": ("data", "prompt_data"), "input_key": ("data", "input_key"), "label_key": ("data", "label_key"),
     "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
@@ -106,6 +119,29 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "miles_generation": ("miles", "generation"), "dsv4_impl": ("miles", "dsv4_impl"),
 }
 _SECTIONS = ("parallel", "cluster", "train", "rollout", "run", "eval", "algorithm", "data", "miles")
+RUN_NUMBERS: dict[str, str] = {
+    "steps": "num_rollout", "prompts_per_step": "rollout_batch_size", "n_samples": "n_samples_per_prompt",
+    "lr": "lr", "eval_interval": "eval_interval", "n_eval": "eval_problems",
+    "eval_samples": "n_samples_per_eval_prompt", "seed": "seed",
+    "max_new_tokens": "max_response_len", "temperature": "temperature", "max_tokens_per_gpu": "max_tokens_per_gpu",
+}
+"""A run's numbers as `v4rl train`, the rl-pipeline form and the embedded loop name them -> their OVERRIDES key (the
+preset field they are): the one translation between the two vocabularies (steps / num_rollout, ...)."""
+
+
+def run_numbers(preset: RunPreset | str) -> dict[str, Any]:
+    """The preset's numbers under RUN_NUMBERS' names: what `v4rl train`, PipelineParams and the embedded trainer
+    default to, and what `v4rl plan` plans.
+
+    >>> run_numbers("tiny-cpu")["steps"], run_numbers("dsv4-flash-mi355x")["prompts_per_step"]
+    (100, 32)
+    """
+    preset = get_run_preset(preset) if isinstance(preset, str) else preset
+    out = {}
+    for name, key in RUN_NUMBERS.items():
+        section, field = OVERRIDES[key]
+        out[name] = getattr(preset if section == "run" else getattr(preset, section), field)
+    return out
 
 
 def preset_name(name: str) -> str:

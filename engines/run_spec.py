@@ -56,6 +56,9 @@ class EvalSpec:
     metric prefix (`eval/<name>`, `eval/<name>-pass@k`). Miles asserts at least one when interval is set."""
     n_samples_per_prompt: int = 8
     """--n-samples-per-eval-prompt: samples per eval problem (pass@k up to k = this)."""
+    n_problems: int | None = None
+    """Problems per evaluation: the first N usable rows of the held-out set (the embedded engines, and what preflight
+    requires of a given eval file). None: every row; Miles has no such flag and evaluates whole datasets."""
     max_response_len: int = 4096
     """--eval-max-response-len: the response budget of an eval sample."""
     top_p: float = 0.7
@@ -162,6 +165,9 @@ class RunPreset:
     at hand (launch plans); a job with a real --hf-checkpoint directory reads that directory's config.json."""
     num_rollout: int = 200
     """--num-rollout: rollout steps of the run."""
+    seed: int = 0
+    """Seed of the embedded run's data order, sampling and evaluation (v4rl's own; the Miles job keeps Megatron's
+    --seed default)."""
     mode: str = "normal"
     """normal adds DAPO over-sampling and the nonzero-std filter (Miles' launcher --mode); debug_minimal not."""
     data: DataSpec = field(default_factory=DataSpec)

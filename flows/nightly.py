@@ -19,9 +19,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engines.run_presets import SHORT_RUNS
 from flows.params import PipelineParams
 from flows.rl_pipeline import rl_pipeline
 
+NIGHTLY_RUN = SHORT_RUNS["nightly"]
+"""The validation run: the preset with a few steps (engines/run_presets.py SHORT_RUNS, an override of tiny-cpu)."""
 HISTORY_PREFIX = "runs/"
 RECORD = "nightly.json"
 
@@ -32,10 +35,10 @@ class NightlyParams(BaseModel):
     model_config = ConfigDict(hide_input_in_errors=True)
 
     preset: str = Field("tiny-cpu", description="Run preset of the validation run; history is compared per preset.")
-    steps: int = Field(4, ge=1, description="GRPO steps of the validation run.")
-    eval_interval: int = Field(4, ge=1)
-    prompts_per_step: int = Field(32, ge=1)
-    n_eval: int = Field(64, ge=1)
+    steps: int = Field(NIGHTLY_RUN["steps"], ge=1, description="GRPO steps of the validation run.")
+    eval_interval: int = Field(NIGHTLY_RUN["eval_interval"], ge=1)
+    prompts_per_step: int = Field(NIGHTLY_RUN["prompts_per_step"], ge=1)
+    n_eval: int = Field(NIGHTLY_RUN["n_eval"], ge=1)
     runs_root: str | None = Field(None, description="Default: the repo's runs/ directory.")
     store_url: str = Field("", description="Artifact store holding the history (file:// or s3://).")
     s3_endpoint_url: str | None = None

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
+from engines.run_presets import run_numbers
 
 from rl.correction_setting import Mode, RolloutCorrection
 from rl.field_docs import field_docs
@@ -25,11 +26,16 @@ from rl.field_docs import field_docs
 REPO = Path(__file__).resolve().parent.parent
 
 
-_SEED_RUN = dict(steps=200, eval_interval=10, prompts_per_step=32, n_samples=8, n_eval=30, eval_samples=8, lr=1e-6,
-                 hf_checkpoint="/data/DeepSeek-V4-Flash-FP8")
+FORM_NUMBERS = ("steps", "eval_interval", "prompts_per_step", "n_samples", "n_eval", "eval_samples", "lr", "seed")
+"""The fields of the form that are a preset's numbers (engines.run_presets.RUN_NUMBERS): their defaults are the
+tiny-cpu preset's, and a cluster preset fills in its own (PRESET_PARAMS)."""
+_TINY = {name: value for name, value in run_numbers("tiny-cpu").items() if name in FORM_NUMBERS}
+_SEED_RUN = {**{name: value for name, value in run_numbers("dsv4-flash-mi355x").items() if name in FORM_NUMBERS},
+             "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8"}
 PRESET_PARAMS: dict[str, dict] = {
     "dsv4-flash-mi355x": _SEED_RUN, "dsv4-flash-mi355x-1node": _SEED_RUN, "dsv4-flash-mi355x-32gpu": _SEED_RUN}
-"""Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's); DESIGN.md Presets."""
+"""Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): the seed's run
+(engines/run_presets.py SEED_RUN) on each cluster layout; DESIGN.md Presets."""
 _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
 CLUSTER_CORRECTIONS = ("none", "tis")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
@@ -50,20 +56,20 @@ class PipelineParams(BaseModel):
                          description="Stable name of the run: a new flow run with the same key resumes it.")
     runs_root: str = Field(str(REPO / "runs"), description="Where run directories live (runs/<run_key>/).")
     hf_checkpoint: str = Field(str(TINY_BASE), description="HF FP8 checkpoint the rollout engine serves.")
-    steps: int = Field(20, ge=1, le=100000, description="GRPO steps of the run.")
-    eval_interval: int = Field(10, ge=1, description="The training engine evaluates every this many steps (and "
+    steps: int = Field(_TINY["steps"], ge=1, le=100000, description="GRPO steps of the run.")
+    eval_interval: int = Field(_TINY["eval_interval"], ge=1, description="The training engine evaluates every this many steps (and "
                                                      "before training and at the last step); each evaluation is "
                                                      "published as it lands, while training goes on.")
     save_interval: int | None = Field(None, ge=1, description="Checkpoint every this many steps (and at the last "
                                                               "step); a retry resumes from the last one. Empty: the "
                                                               "preset's (cluster presets: Miles' --save-interval, "
                                                               "20; tiny-cpu: eval_interval).")
-    prompts_per_step: int = Field(64, ge=1)
-    n_samples: int = Field(8, ge=2, description="Samples per prompt (GRPO group size).")
-    n_eval: int = Field(100, ge=1, description="Held-out problems per evaluation.")
-    eval_samples: int = Field(8, ge=1, description="Samples per held-out problem (pass@1..8).")
-    lr: float = Field(1e-4, gt=0)
-    seed: int = 0
+    prompts_per_step: int = Field(_TINY["prompts_per_step"], ge=1)
+    n_samples: int = Field(_TINY["n_samples"], ge=2, description="Samples per prompt (GRPO group size).")
+    n_eval: int = Field(_TINY["n_eval"], ge=1, description="Held-out problems per evaluation.")
+    eval_samples: int = Field(_TINY["eval_samples"], ge=1, description="Samples per held-out problem (pass@1..8).")
+    lr: float = Field(_TINY["lr"], gt=0)
+    seed: int = _TINY["seed"]
     align_prompts: int = Field(16, ge=1, description="Prompts of the cross-engine alignment check.")
     align_threshold: float = Field(0.09, gt=0, description="Max mean |Δlogprob| between rollout and trainer.")
     store_url: str = Field("", description="Artifact store: file:///path or s3://bucket/prefix; empty: "
@@ -88,6 +94,7 @@ class PipelineParams(BaseModel):
     rollout_correction: Mode = Field(_CORRECTION.mode, description=_CORRECTION_DOCS["mode"])
     opsm: bool = Field(_CORRECTION.opsm, description=_CORRECTION_DOCS["opsm"])
     opsm_delta: float = Field(_CORRECTION.opsm_delta, ge=0, description=_CORRECTION_DOCS["opsm_delta"])
+    routing_replay: bool = Field(_CORRECTION.routing_replay, description=_CORRECTION_DOCS["routing_replay"])
     metric_sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="Dashboards mirroring metrics.jsonl and eval/: tensorboard "
                                           "(<run_dir>/tensorboard/), wandb (offline under <run_dir>/wandb/ unless "
@@ -214,8 +221,9 @@ class PipelineParams(BaseModel):
     @model_validator(mode="after")
     def _correction_reaches_the_trainer(self) -> "PipelineParams":
         self.correction()  # ValueError naming the field and the fix
-        if self.preset != "tiny-cpu" and (self.rollout_correction not in CLUSTER_CORRECTIONS or self.opsm):
-            wanted = f"rollout_correction={self.rollout_correction!r}" + (" with opsm" if self.opsm else "")
+        extras = [name for name in ("opsm", "routing_replay") if getattr(self, name)]
+        if self.preset != "tiny-cpu" and (self.rollout_correction not in CLUSTER_CORRECTIONS or extras):
+            wanted = f"rollout_correction={self.rollout_correction!r}" + "".join(f" with {e}" for e in extras)
             raise ValueError(f"{wanted} runs in the embedded tiny-cpu trainer only; v4rl's Miles job for {self.preset} "
                              f"carries {' or '.join(CLUSTER_CORRECTIONS)} (--use-tis) so far: choose one of those, "
                              "or run the mode on tiny-cpu (docs/rollout-correction.md lists Miles' own flags)")
@@ -223,7 +231,8 @@ class PipelineParams(BaseModel):
 
     def correction(self) -> RolloutCorrection:
         """The run's rl.correction_setting.RolloutCorrection (the embedded trainer's TrainRunConfig field)."""
-        return RolloutCorrection(mode=self.rollout_correction, opsm=self.opsm, opsm_delta=self.opsm_delta)
+        return RolloutCorrection(mode=self.rollout_correction, opsm=self.opsm, opsm_delta=self.opsm_delta,
+                                 routing_replay=self.routing_replay)
 
     @field_validator("store_url")
     @classmethod

@@ -56,11 +56,10 @@ def _train_config(p: PipelineParams) -> dict:
     cluster = _miles(p)
     if cluster is not None:
         return {"engine": "miles", "cluster": cluster, "steps": p.steps}
-    from engines.train.run import TrainRunConfig
-    from rl.loop import LoopConfig
+    from engines.train.run import TrainRunConfig, tiny_loop
 
-    loop = LoopConfig(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=p.eval_interval,
-                      eval_samples=p.eval_samples, seed=p.seed, dynamic_sampling=False)
+    loop = tiny_loop(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=p.eval_interval,
+                     eval_samples=p.eval_samples, seed=p.seed)
     cfg = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.save_interval or p.eval_interval,
                          n_eval=p.n_eval,
                          lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
@@ -172,5 +171,6 @@ def _links(uploaded: dict) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", steps=4, eval_interval=2, prompts_per_step=16,
-                                               n_eval=32))
+    from engines.run_presets import SHORT_RUNS
+
+    rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **SHORT_RUNS["nightly"]))

@@ -62,6 +62,13 @@ class RolloutCorrection:
     opsm_delta: float = 1e-4
     """OPSM's threshold on the sequence's mean ``rollout_lp - train_lp`` (Miles --opsm-delta). >= 0."""
 
+    routing_replay: bool = False
+    """Rollout routing replay (R3, Miles --use-rollout-routing-replay), on top of any mode: the rollout engine
+    returns the experts it routed each token to, and the trainer's forward uses those experts in the learned top-k
+    MoE layers, with gate weights recomputed from its own router scores (so the router still learns); hash layers
+    route by their fixed token table on both sides and are not replayed. Removes the routing part of the
+    train/rollout mismatch (train/router_mismatch_frac, logged either way, is its size without replay)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"rollout correction mode {self.mode!r} is not one of {', '.join(MODES)}; use tis (the "

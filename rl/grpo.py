@@ -18,7 +18,7 @@ What it does
        averaged over every response token of the batch (DAPO token-level mean), plus an
        optional KL penalty to a reference policy.
 
-    ``GRPOConfig`` holds the algorithm knobs with Miles' defaults for DeepSeek-V4 Flash.
+    ``GRPOConfig`` holds the loss knobs the trainer reads, with Miles' defaults for DeepSeek-V4 Flash.
 
 Which logprobs go where (as in Miles / slime)
     ``old_logprobs`` are the trainer's own logprobs of the rollout tokens under the weights
@@ -46,9 +46,7 @@ How to run
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -66,7 +64,6 @@ __all__ = [
     "tis_weights",
 ]
 
-KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 """KL estimators accepted by :func:`approx_kl` (``k3`` and ``low_var_kl`` are the same estimator;
 ``low_var_kl`` is additionally clamped to [-10, 10] as verl and Miles do)."""
@@ -77,19 +74,20 @@ KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 
 @dataclass(kw_only=True)
 class GRPOConfig:
-    """Algorithm knobs of GRPO + TIS. Defaults follow the seed's Miles recipe for DeepSeek-V4
-    Flash (``--eps-clip 0.2 --eps-clip-high 0.28 --use-tis --tis-clip 2 --tis-clip-low 0
-    --kl-loss-coef 0 --kl-loss-type low_var_kl``) except ``lr``, which is the tiny-cpu value.
+    """The loss knobs of GRPO + TIS the trainer reads in each step. Defaults follow the seed's Miles recipe for
+    DeepSeek-V4 Flash (``--eps-clip 0.2 --eps-clip-high 0.28 --use-tis --tis-clip 2 --tis-clip-low 0``).
+
+    Only what :meth:`engines.train.trainer.Trainer.grpo_step` reads lives here; the rest of a run has one home
+    each: the group size, dynamic sampling and std normalisation in :class:`rl.loop.LoopConfig`, the learning rate
+    in ``TrainerConfig`` (from ``TrainRunConfig.lr``), the run's numbers in the tiny-cpu preset
+    (``engines.run_presets.TINY_RUN``). There is no KL penalty: the trainer keeps no reference model
+    (``policy_loss`` takes one for callers that do).
 
     Invalid values raise ``ValueError`` at construction, naming the field and the fix.
 
-    >>> GRPOConfig(n_samples_per_prompt=8).clip_high
+    >>> GRPOConfig().clip_high
     0.28
     """
-
-    n_samples_per_prompt: int = 8
-    """Responses sampled per prompt (the group size n). At least 2: the group mean is the
-    baseline, so a group of one has advantage 0 and teaches nothing (and its std is undefined)."""
 
     clip_low: float = 0.2
     """PPO ratio lower clip: ratios below ``1 - clip_low`` stop pushing down a token with a
@@ -105,46 +103,10 @@ class GRPOConfig:
     [0, 2] by default; also none, icepop, seq-is, geo-mask, seq-mask, and OPSM on top of any. A mode name or a
     mapping of its fields is accepted too (config.json, Ray actor arguments)."""
 
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy (0 disables it; then no reference model
-    is needed). >= 0."""
-
-    kl_type: KLType = "low_var_kl"
-    """KL estimator: ``k1`` (log-ratio), ``k2`` (half squared log-ratio), ``k3``/``low_var_kl``
-    (Schulman's non-negative k3; ``low_var_kl`` clamped to [-10, 10])."""
-
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO). False gives Dr.GRPO-style
-    mean-centred advantages."""
-
-    adv_eps: float = 1e-6
-    """Added to the group std before dividing (Miles/verl use 1e-6). > 0."""
-
-    dynamic_sampling: bool = True
-    """Drop groups whose rewards are all equal (no learning signal) and over-sample prompts to
-    refill the batch (DAPO dynamic sampling; see :mod:`rl.dynamic_sampling`)."""
-
-    dynamic_sampling_max_rounds: int = 4
-    """Generation rounds per step before dynamic sampling stops refilling, warns and trains on
-    the groups it has. >= 1."""
-
-    lr: float = 1e-4
-    """AdamW learning rate (1e-4 learns on tiny-cpu; the seed used 1e-6 for the 291B model). > 0."""
-
     max_grad_norm: float = 1.0
     """Gradient-norm clip (Megatron's ``--clip-grad`` default); 0 disables clipping. >= 0."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.n_samples_per_prompt, bool) or not isinstance(self.n_samples_per_prompt, int):
-            raise ValueError(
-                f"n_samples_per_prompt must be an int, got {self.n_samples_per_prompt!r}"
-            )
-        if self.n_samples_per_prompt < 2:
-            raise ValueError(
-                f"n_samples_per_prompt={self.n_samples_per_prompt}, but GRPO needs at least 2 samples per "
-                "prompt: the group mean is the baseline, so a group of one always has advantage 0 (and no "
-                "std). Set n_samples_per_prompt >= 2 (the seed uses 8)."
-            )
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(
                 f"clip_low={self.clip_low} must lie in [0, 1): the lower ratio bound 1 - clip_low has to stay "
@@ -156,22 +118,6 @@ class GRPOConfig:
                 "(DAPO clip-higher)."
             )
         self.rollout_correction = RolloutCorrection.coerce(self.rollout_correction)
-        if self.kl_coef < 0.0:
-            raise ValueError(f"kl_coef={self.kl_coef} must be >= 0 (0 disables the KL penalty).")
-        if self.kl_type not in KL_TYPES:
-            raise ValueError(f"kl_type={self.kl_type!r} is not one of {KL_TYPES}; use 'low_var_kl'.")
-        if not self.adv_eps > 0.0:
-            raise ValueError(
-                f"adv_eps={self.adv_eps} must be > 0: it keeps the advantage finite when a group's std is "
-                "tiny. Use 1e-6."
-            )
-        if self.dynamic_sampling_max_rounds < 1:
-            raise ValueError(
-                f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 1 (1 = filter "
-                "without refilling). Set dynamic_sampling=False to turn dynamic sampling off instead."
-            )
-        if not (self.lr > 0.0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr={self.lr} must be a finite number > 0 (tiny-cpu learns at 1e-4).")
         if self.max_grad_norm < 0.0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping).")
 

@@ -73,8 +73,22 @@ class LoopConfig:
     eval_samples: int = 8
     seed: int = 0
     dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (no learning signal) and over-sample prompts to refill the batch
+    (DAPO dynamic sampling; rl/dynamic_sampling.py)."""
     dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step before dynamic sampling stops refilling, warns and trains on the groups it has."""
     normalize_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False: mean-centred only (Dr.GRPO)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 2:
+            raise ValueError(f"n_samples={self.n_samples!r}, but GRPO needs at least 2 samples per prompt: the group "
+                             "mean is the baseline, so a group of one always has advantage 0 (and no std). Set "
+                             "n_samples >= 2 (the seed uses 8).")
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 1 (1 = "
+                             "filter without refilling). Set dynamic_sampling=False to turn dynamic sampling off "
+                             "instead.")
 
 
 def prompts_for_step(step: int, n_rows: int, per_step: int, seed: int, offset: int = 0) -> list[int]:

@@ -28,7 +28,7 @@ def test_trl_config_expresses_the_shared_settings(tmp_path):
 
     settings = E2ESettings(steps=7, prompts_per_step=16, n_samples=4, max_new_tokens=6, lr=3e-4, temperature=0.9)
     args = trl_config(settings, str(tmp_path), longest_prompt=40)
-    ours, optimizer = GRPOConfig(n_samples_per_prompt=4), TrainerConfig()
+    ours, optimizer = GRPOConfig(), TrainerConfig()
     # one generation of prompts x samples, one optimizer step over all of them per GRPO step
     assert args.num_generations == 4 and args.generation_batch_size == 64
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64

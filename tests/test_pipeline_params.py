@@ -24,7 +24,7 @@ def test_partial_cluster_params_take_the_presets_values(spelling):
 
 def test_tiny_cpu_and_preset_defaults_are_unchanged():
     tiny = PipelineParams.model_validate({"steps": 3, "eval_interval": 1})
-    assert (tiny.preset, tiny.run_key, tiny.lr, tiny.prompts_per_step) == ("tiny-cpu", "tiny-cpu", 1e-4, 64)
+    assert (tiny.preset, tiny.run_key, tiny.lr, tiny.prompts_per_step) == ("tiny-cpu", "tiny-cpu", 1e-4, 128)
     seed = PipelineParams.preset_defaults("dsv4-flash-mi355x-32gpu", run_key="mine")
     assert (seed.run_key, seed.steps, seed.lr) == ("mine", 200, 1e-6)
     assert PipelineParams.preset_defaults("dsv4-flash-mi355x") == PipelineParams(preset="dsv4-flash-mi355x")

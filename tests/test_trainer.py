@@ -75,7 +75,7 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_and_update(tiny_checkpoint
         lp = trainer.logprobs(seqs)
         samples = [Sample(p, r, [x - 0.01 for x in lps], float(i % 2), i // 4, advantage=1.0 if i % 2 else -1.0)
                    for i, ((p, r), lps) in enumerate(zip(seqs, lp))]
-        metrics = trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4))
+        metrics = trainer.grpo_step(samples, GRPOConfig())
         results[shared] = (lp, metrics, {k: p.grad.clone() for k, p in trainer.model.named_parameters()
                                          if p.grad is not None})
     (lp_a, m_a, g_a), (lp_b, m_b, g_b) = results[True], results[False]
@@ -109,7 +109,7 @@ def test_grpo_step_changes_weights_and_reports_finite_metrics(tiny_checkpoint):
     samples = [Sample(p, r, lp, float(rw), g // 4, advantage=a)
                for g, ((p, r), lp, rw, a) in enumerate(zip(seqs, rollout_lp, rewards.flatten(), adv))]
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    metrics = trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4))
+    metrics = trainer.grpo_step(samples, GRPOConfig())
     changed = [k for k, v in trainer.model.state_dict().items() if not torch.equal(v, before[k])]
     assert any("experts" in k for k in changed) and any("self_attn" in k for k in changed)
     for name in ("train/pg_loss", "train/pg_clipfrac", "train/entropy", "train/grad_norm", "train/tis",
@@ -126,7 +126,7 @@ def test_grpo_step_applies_the_chosen_rollout_correction(tiny_checkpoint):
     trainer, _ = _trainer(tiny_checkpoint, lr=1e-3, max_tokens_per_gpu=128)
     samples = [Sample(p, r, [0.0] * len(r), 1.0, i // 4, advantage=1.0 if i % 2 else -1.0)
                for i, (p, r) in enumerate(_seqs(8, seed=2))]
-    metrics = trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, rollout_correction="icepop"))
+    metrics = trainer.grpo_step(samples, GRPOConfig(rollout_correction="icepop"))
     assert metrics["train/pg_loss"] == 0.0
     assert metrics["train/correction_masked_token_frac"] == pytest.approx(1.0)
     assert metrics["train/correction_masked_seq_frac"] == pytest.approx(1.0)
@@ -146,7 +146,7 @@ def test_quantization_aware_trainer_scores_exactly_what_the_rollout_will_serve(t
                                       TrainerConfig(lr=1e-4, compute_dtype="float32", quantization_aware=qat))
         samples = [Sample(p, r, [0.0] * len(r), 1.0, i // 4, advantage=1.0 if i % 2 else -1.0)
                    for i, (p, r) in enumerate(seqs)]
-        trainer.grpo_step(samples, GRPOConfig(n_samples_per_prompt=4, rollout_correction="none"))
+        trainer.grpo_step(samples, GRPOConfig(rollout_correction="none"))
         served = DeepseekV4(cfg).eval()
         served.load_state_dict(storage_round_trip(trainer.native_state(), cfg, expert_dtype="fp8"))
         want = token_logprobs(served, [{"prompt_ids": p, "response_ids": r} for p, r in seqs], vocab_size=cfg.vocab_size)

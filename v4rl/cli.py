@@ -26,12 +26,16 @@ column cuts names such as --prompts-per-step to `--prompts-per-…`. TERMINAL_WI
 if not os.environ.get("TERMINAL_WIDTH"):
     typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
 
+from engines.run_presets import SHORT_RUNS, run_numbers  # noqa: E402
 from rl.field_docs import field_default_and_doc  # noqa: E402
 
+TINY = run_numbers("tiny-cpu")
+"""`v4rl train`'s defaults: the tiny-cpu preset's numbers (engines/run_presets.py TINY_RUN), as the flow's form."""
+
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
-CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA = (
+CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
     field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
-    for name in ("mode", "opsm", "opsm_delta"))
+    for name in ("mode", "opsm", "opsm_delta", "routing_replay"))
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -95,16 +99,24 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 @app.command()
 def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
           preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
-          steps: int = typer.Option(100, min=1, help="GRPO steps of the run."),
+          steps: int = typer.Option(TINY["steps"], min=1, help="GRPO steps of the run (default: the tiny-cpu "
+                                                                 "preset's, engines/run_presets.py, as every "
+                                                                 "number below)."),
           save_interval: int = typer.Option(SAVE_INTERVAL[0], min=1, help=SAVE_INTERVAL[1]),
           base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
-          prompts_per_step: int = typer.Option(128, min=1), n_samples: int = typer.Option(8, min=2),
-          eval_interval: int = typer.Option(10, min=0), n_eval: int = typer.Option(200, min=1),
-          lr: float = typer.Option(1e-4), seed: int = typer.Option(0),
+          prompts_per_step: int = typer.Option(TINY["prompts_per_step"], min=1),
+          n_samples: int = typer.Option(TINY["n_samples"], min=2, help="Samples per prompt (GRPO group size)."),
+          eval_interval: int = typer.Option(TINY["eval_interval"], min=0, help="Evaluate every this many steps "
+                                                                               "(and before training); 0: never."),
+          n_eval: int = typer.Option(TINY["n_eval"], min=1, help="Held-out problems per evaluation."),
+          eval_samples: int = typer.Option(TINY["eval_samples"], min=1, help="Samples per held-out problem."),
+          lr: float = typer.Option(TINY["lr"]), seed: int = typer.Option(TINY["seed"]),
           dynamic_sampling: bool = typer.Option(False, help="Drop all-equal groups and over-sample to refill."),
           rollout_correction: str = typer.Option(CORRECTION_MODE[0], help=CORRECTION_MODE[1]),
           opsm: bool = typer.Option(CORRECTION_OPSM[0], "--opsm", help=CORRECTION_OPSM[1]),
           opsm_delta: float = typer.Option(CORRECTION_OPSM_DELTA[0], help=CORRECTION_OPSM_DELTA[1]),
+          routing_replay: bool = typer.Option(CORRECTION_ROUTING_REPLAY[0], "--routing-replay",
+                                              help=CORRECTION_ROUTING_REPLAY[1]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
                                                      "dropped and counted. The tiny base solves only its own wording: "
@@ -154,7 +166,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                          rollout_expert_dtype=rollout_expert_dtype)
     correction = None
     try:
-        correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta)
+        correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta,
+                                       routing_replay=routing_replay)
     except ValueError as exc:
         problems.append(f"--rollout-correction / --opsm-delta: {exc}")
     if problems:
@@ -169,7 +182,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                  eval_data=eval_data, input_key=input_key, label_key=label_key, reward=reward,
                                  eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
                                  rollout_expert_dtype=rollout_expert_dtype, prompts_per_step=prompts_per_step,
-                                 n_samples=n_samples, eval_interval=eval_interval, seed=seed,
+                                 n_samples=n_samples, eval_interval=eval_interval, eval_samples=eval_samples,
+                                 seed=seed,
                                  dynamic_sampling=dynamic_sampling, rollout_correction=correction)
     except RunDirBusy as exc:
         _fail(f"--out {exc}")
@@ -179,10 +193,9 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
 
 def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, train_data: Path | None,
                eval_data: Path | None, base: Path | None, prompts_per_step: int, n_samples: int, eval_interval: int,
-               seed: int, dynamic_sampling: bool, **fields) -> dict:
+               eval_samples: int, seed: int, dynamic_sampling: bool, **fields) -> dict:
     """`v4rl train` once the run directory is held: the run, or its failure or interruption in words."""
-    from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training
-    from rl.loop import LoopConfig
+    from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training, tiny_loop
     from v4rl.errors import is_run_failure, one_line_error
     from v4rl.train_flags import as_flags
 
@@ -190,9 +203,9 @@ def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, trai
     try:  # an unknown reward, an import path that does not resolve, bad data: a ValueError naming the fix
         config = TrainRunConfig(base=str(base or DEFAULT_BASE), metric_sinks=sinks, train_data=str(train_data or ""),
                                 eval_data=str(eval_data or ""), **fields,
-                                loop=LoopConfig(prompts_per_step=prompts_per_step, n_samples=n_samples,
-                                                eval_interval=eval_interval, seed=seed,
-                                                dynamic_sampling=dynamic_sampling))
+                                loop=tiny_loop(prompts_per_step=prompts_per_step, n_samples=n_samples,
+                                               eval_interval=eval_interval, eval_samples=eval_samples, seed=seed,
+                                               dynamic_sampling=dynamic_sampling))
         return run_training(out, config)
     except ValueError as exc:
         if created and not (out / "config.json").exists():
@@ -211,7 +224,9 @@ def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, trai
 
 @app.command()
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
-         seed: int = typer.Option(0), steps: int = typer.Option(10, help="GRPO steps of the demo run."),
+         seed: int = typer.Option(TINY["seed"]),
+         steps: int = typer.Option(SHORT_RUNS["demo"]["steps"], help="GRPO steps of the demo run (its other numbers: "
+                                   "engines/run_presets.py SHORT_RUNS['demo'] over the tiny-cpu preset)."),
          fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one."),
          ui: bool = typer.Option(False, "--ui", help="Serve the Prefect UI from the demo's own server, print live "
                                                      "links to the run and keep it up until Ctrl-C.")) -> None:

@@ -28,6 +28,9 @@ def register(app: typer.Typer) -> None:
         enable_memory_saver: bool = typer.Option(
             False, help="SGLang's --enable-memory-saver: /release_memory_occupation frees the runtime weight copies "
                         "(Miles' --offload-rollout expects it on)."),
+        enable_return_routed_experts: bool = typer.Option(
+            False, help="SGLang's --enable-return-routed-experts: requests with return_routed_experts get "
+                        "meta_info.routed_experts (Miles' --use-rollout-routing-replay needs it on)."),
     ) -> None:
         """Serve SGLang's native HTTP API (/generate, pause/continue, weight updates) on the embedded engine."""
         # Before torch loads: libgomp's default spin-wait slows a loaded CPU box ~10x (engines/rollout/server.py).
@@ -44,7 +47,8 @@ def register(app: typer.Typer) -> None:
 
         try:
             config = EngineConfig(dtype=dtype, max_running_requests=max_running_requests,
-                                  weight_version=weight_version, profile={"rocm_fnuz": rocm_fnuz})
+                                  weight_version=weight_version, profile={"rocm_fnuz": rocm_fnuz},
+                                  enable_return_routed_experts=enable_return_routed_experts)
             engine = RolloutEngine(model, config)
         except (CheckpointError, ValueError, OSError) as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 from engines import TINY_BASE
+from engines.run_presets import SHORT_RUNS
 
 ASSET = TINY_BASE
 QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -50,11 +51,14 @@ class DemoRefused(ValueError):
     names the option or variable and the fix; nothing was started."""
 
 
+DEMO_RUN = SHORT_RUNS["demo"]
+"""The demo's run: the tiny-cpu preset with fewer steps, prompts and held-out problems (engines/run_presets.py)."""
 INTERRUPTED = 130
 """Exit status after Ctrl-C, as a shell reports a process ended by SIGINT."""
 
 
-def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = 10, ui: bool = False) -> int:
+def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = DEMO_RUN["steps"],
+             ui: bool = False) -> int:
     from engines.train.run_lock import RunDirBusy, hold_run_dir
 
     console = Console()
@@ -115,10 +119,10 @@ def _demo_params(workdir: Path, base: Path, seed: int, steps: int):
     from flows.params import PipelineParams
 
     try:
-        return PipelineParams.preset_defaults("tiny-cpu", run_key="demo", runs_root=str(workdir),
-                                              hf_checkpoint=str(base), steps=steps,
-                                              eval_interval=max(1, steps // 2), prompts_per_step=32, n_eval=64,
-                                              seed=seed)
+        # the demo's override of the tiny-cpu preset, evaluated halfway and at the end whatever --steps says
+        return PipelineParams.preset_defaults("tiny-cpu", **{**DEMO_RUN, "steps": steps}, run_key="demo",
+                                              runs_root=str(workdir), hf_checkpoint=str(base),
+                                              eval_interval=max(1, steps // 2), seed=seed)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else ""

@@ -54,7 +54,7 @@ _library = kernels.NativeLibrary(SOURCES, FLAG_SETS, {
                            _I64, _P, _INT]),
     "v4rl_linear": (None, [_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _INT]),
     "v4rl_sample": (None, [_P, _I64, _I64, _P, _P, _P, _P]),
-    "v4rl_moe": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _P, _P, _P, _F32, _P, _INT]),
+    "v4rl_moe": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _P, _P, _P, _F32, _P, _P, _INT]),
 }, HEADERS)
 _checked: dict[str, bool] = {}
 """Verdict of the fused check per model config (fused_model.shape_signature)."""
@@ -214,13 +214,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, threads: int) -> t
     return out
 
 
-def moe(x: torch.Tensor, token_ids: torch.Tensor, plan, threads: int) -> torch.Tensor:
-    """layers.MoE for x [B, D] (plan: fused_model's MoEPlan with the packed weights)."""
+def moe(x: torch.Tensor, token_ids: torch.Tensor, plan, threads: int, chosen: torch.Tensor | None = None
+        ) -> torch.Tensor:
+    """layers.MoE for x [B, D] (plan: fused_model's MoEPlan with the packed weights); `chosen` (int64 [B, k]),
+    if given, receives the experts each row was routed to."""
     B, D = x.shape
     out = x.new_empty(B, D)
     if _library.lib.v4rl_moe(ptr(x), B, D, plan.inter, plan.n_experts, plan.k, ptr(plan.gate), ptr(plan.bias),
                              ptr(plan.tid2eid), ptr(token_ids), plan.scaling, ptr(plan.w13), ptr(plan.w2),
-                             ptr(plan.s13), ptr(plan.s2), plan.limit, ptr(out), threads) != 0:
+                             ptr(plan.s13), ptr(plan.s2), plan.limit, ptr(out), ptr(chosen), threads) != 0:
         raise MemoryError(f"v4rl_moe could not allocate its scratch ({B} rows x {plan.k} experts, hidden {D})")
     return out
 

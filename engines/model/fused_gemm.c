@@ -374,12 +374,12 @@ static void route(const float *x, i64 B, i64 D, i64 E, i64 k, const float *gate,
 }
 
 /* Routed + shared experts of B rows (layers.MoE): route as above, then out [B, D] = sum over slots (in slot
- * order) of weight * expert(x) + shared(x). Packed weights (see packed GEMM): gate [E, D]; w13 [E][2I, D] (w1
+ * order) of weight * expert(x) + shared(x); chosen_out [B, k] (NULL: not wanted) receives the experts chosen. Packed weights (see packed GEMM): gate [E, D]; w13 [E][2I, D] (w1
  * rows then w3 rows), w2 [E][D, I]; s13, s2 the shared expert's. Returns 0, or -1 if scratch memory could not
  * be allocated. */
 int v4rl_moe(const float *x, i64 B, i64 D, i64 I, i64 E, i64 k, const float *gate, const float *bias,
              const i64 *tid2eid, const i64 *tokens, float scaling, const float *w13, const float *w2,
-             const float *s13, const float *s2, float limit, float *out, int threads) {
+             const float *s13, const float *s2, float limit, float *out, i64 *chosen_out, int threads) {
     i64 n_pairs = B * k, max_tasks = n_pairs / MOE_BLOCK + E + 1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -395,6 +395,7 @@ int v4rl_moe(const float *x, i64 B, i64 D, i64 I, i64 E, i64 k, const float *gat
     i64 *chosen = (i64 *)(shared_out + round16(B * D)), *pairs = chosen + n_pairs, *start = pairs + n_pairs;
     i64 *task_expert = start + E + 1, *task_first = task_expert + max_tasks + 1;
     route(x, B, D, E, k, gate, bias, tid2eid, tokens, scaling, scores, chosen, pair_w);
+    if (chosen_out != NULL) memcpy(chosen_out, chosen, sizeof(i64) * (size_t)n_pairs);  /* the routes used */
     memset(start, 0, sizeof(i64) * (size_t)(E + 1));
     for (i64 p = 0; p < n_pairs; p++) start[chosen[p] + 1]++;
     for (i64 e = 0; e < E; e++) start[e + 1] += start[e];

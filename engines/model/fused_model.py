@@ -143,19 +143,20 @@ class FusedModel:
         self._plans, self._head, self._stamp = [], None, None
 
     # ------------------------------------------------------------------ forward
-    def decode(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None,
+               routes: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row (as decode_torch)."""
         ids = token_ids.reshape(-1).to(torch.int64).contiguous()
         pos = batch.positions.contiguous()
         streams = self.model._streams(ids) if streams is None else streams.reshape(len(ids), *streams.shape[-2:])
         caches = batch.layers
         h = self._layers(streams.contiguous(), ids, pos, lambda i, attn, plan, x, rope, threads: self._attend_decode(
-            attn, plan, x, pos, caches[i], rope, int(pos.max()), threads))
+            attn, plan, x, pos, caches[i], rope, int(pos.max()), threads), routes)
         batch.positions = batch.positions + 1
         return self._logits(h)
 
     def full(self, token_ids: torch.Tensor, keep_cache: bool, all_logits: bool = True,
-             streams: torch.Tensor | None = None):
+             streams: torch.Tensor | None = None, routes: list[torch.Tensor] | None = None):
         """Whole sequences from position 0: (logits [B, S or 1, vocab], per-sequence caches or None), as full_torch."""
         from engines.model.model import SequenceCache
 
@@ -171,13 +172,15 @@ class FusedModel:
                 c.layers.append(lc)
             return out
 
-        h = self._layers(streams.contiguous(), ids, pos, attention)
+        h = self._layers(streams.contiguous(), ids, pos, attention, routes)
         if not all_logits:
             h = h.view(B, S, *h.shape[1:])[:, -1].contiguous()
         return self._logits(h).view(B, S if all_logits else 1, -1), caches
 
-    def _layers(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, attention) -> torch.Tensor:
-        """Every decoder layer over rows of streams [rows, hc, D]; attention(i, attn, plan, x, rope, threads)."""
+    def _layers(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, attention,
+                routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Every decoder layer over rows of streams [rows, hc, D]; attention(i, attn, plan, x, rope, threads);
+        `routes` gets each layer's experts as the MoE kernel chose them (int64 [rows, top_k])."""
         m, cfg = self.model, self.cfg
         plans = self._current_plans()
         rope = {kind: rope_cos_sin(freq, pos, torch.float32) for kind, freq in self._inv_freq.items()}
@@ -191,7 +194,11 @@ class FusedModel:
             streams = fused.hc_post(streams, attention(i, layer.attn, plan, x, rope, threads), post, comb, mhc)
             post, comb, x = fused.hc_pre(streams, plan.hc_ffn, layer.hc_ffn_base, layer.hc_ffn_scale, cfg,
                                          layer.ffn_norm.weight, layer.ffn_norm.eps, mhc)
-            streams = fused.hc_post(streams, fused.moe(x, ids, plan.moe, _threads(threads, moe_work)), post, comb, mhc)
+            chosen = None if routes is None else torch.empty(len(ids), cfg.num_experts_per_tok, dtype=torch.int64)
+            moe_out = fused.moe(x, ids, plan.moe, _threads(threads, moe_work), chosen)
+            if routes is not None:
+                routes.append(chosen)
+            streams = fused.hc_post(streams, moe_out, post, comb, mhc)
         return streams
 
     def _logits(self, streams: torch.Tensor) -> torch.Tensor:

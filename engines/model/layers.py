@@ -190,10 +190,14 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, routes: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """`routes`, if given, gets this layer's chosen experts appended: int64 [tokens, top_k], tokens flattened."""
         shape = x.shape
         flat, ids = x.reshape(-1, shape[-1]), token_ids.reshape(-1)
         weights, indices = self.gate(flat, ids)
+        if routes is not None:
+            routes.append(indices)
         # One output row per (token, slot) pair, summed over slots afterwards (index_add_ costs ~0.3 ms a call on
         # CPU). A stable sort groups the pairs by expert: each expert gets its rows in ascending order, as a
         # per-expert mask would give them, with one sort and one count instead of a mask and a nonzero per expert.

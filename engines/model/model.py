@@ -49,8 +49,10 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(n)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, attention, trace: dict | None = None):
-        """streams [B, S, hc, D]; `attention(x)` runs this layer's attention on the collapsed input."""
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, attention, trace: dict | None = None,
+                routes: list[torch.Tensor] | None = None):
+        """streams [B, S, hc, D]; `attention(x)` runs this layer's attention on the collapsed input; `routes`: as
+        DeepseekV4.prefill's."""
         post, comb, collapsed = hc_weights(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
         attn_out = attention(self.attn_norm(collapsed))
         streams = hc_merge(streams, attn_out, post, comb)
@@ -59,7 +61,7 @@ class Block(nn.Module):
             trace["mhc_attn"] = streams
         post, comb, collapsed = hc_weights(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         ffn_in = self.ffn_norm(collapsed)
-        moe_out = self.ffn(ffn_in, token_ids)
+        moe_out = self.ffn(ffn_in, token_ids, routes)
         if trace is not None:
             trace["router"] = self.ffn.route(ffn_in, token_ids)
             trace["moe"] = moe_out
@@ -112,10 +114,13 @@ class DeepseekV4(nn.Module):
         """Logits [B, S, vocab] of whole sequences starting at position 0 (right padding is harmless)."""
         return self._full(token_ids, keep_cache=False, trace=trace)[0]
 
-    def prefill(self, token_ids: torch.Tensor, *, all_logits: bool = True) -> tuple[torch.Tensor, list[SequenceCache]]:
+    def prefill(self, token_ids: torch.Tensor, *, all_logits: bool = True, routes: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, list[SequenceCache]]:
         """Like forward, plus one cache per sequence to continue decoding from (all sequences of equal length).
-        all_logits=False returns the last position's logits only ([B, 1, vocab]: all a sampler needs)."""
-        return self._full(token_ids, keep_cache=True, all_logits=all_logits)
+        all_logits=False returns the last position's logits only ([B, 1, vocab]: all a sampler needs). `routes`, if
+        given, gets one int64 [B*S, top_k] tensor per layer appended: the experts each token was routed to (hash
+        layers: the tid2eid lookup), as computed by the path that ran."""
+        return self._full(token_ids, keep_cache=True, all_logits=all_logits, routes=routes)
 
     @property
     def fused(self) -> FusedModel:
@@ -124,16 +129,17 @@ class DeepseekV4(nn.Module):
         return self._fused
 
     def _full(self, token_ids: torch.Tensor, keep_cache: bool, trace: list[dict] | None = None,
-              all_logits: bool = True):
+              all_logits: bool = True, routes: list[torch.Tensor] | None = None):
         """Whole sequences through the fused kernels (fused_model.py: judged once per model config by
         fused_check.py, equal to the torch ops to float32 rounding) when `fused_kernels` is on and they apply,
         else the torch ops. A trace needs the torch ops."""
         if self.fused_kernels and trace is None and self.fused.usable():
-            return self.fused.full(token_ids, keep_cache, all_logits)
-        return self.full_torch(token_ids, keep_cache, trace, all_logits)
+            return self.fused.full(token_ids, keep_cache, all_logits, routes=routes)
+        return self.full_torch(token_ids, keep_cache, trace, all_logits, routes=routes)
 
     def full_torch(self, token_ids: torch.Tensor, keep_cache: bool, trace: list[dict] | None = None,
-                   all_logits: bool = True, streams: torch.Tensor | None = None):
+                   all_logits: bool = True, streams: torch.Tensor | None = None,
+                   routes: list[torch.Tensor] | None = None):
         """`_full` with torch ops only (the reference the fused kernels are checked against); `streams`: the
         initial residual streams [B, S, hc, D] instead of the embedding's (the check perturbs them)."""
         B, S = token_ids.shape
@@ -150,21 +156,23 @@ class DeepseekV4(nn.Module):
                         c.layers.append(lc)
                 return out
 
-            streams = layer(streams, token_ids, attention, layer_trace)
+            streams = layer(streams, token_ids, attention, layer_trace, routes)
             if trace is not None:
                 trace.append(layer_trace)
         return self._logits(streams if all_logits else streams[:, -1:]), caches
 
-    def decode(self, token_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def decode(self, token_ids: torch.Tensor, batch: DecodeBatch, routes: list[torch.Tensor] | None = None
+               ) -> torch.Tensor:
         """One new token per row: token_ids [B] -> logits [B, vocab]; advances every row by one position.
 
-        Runs the fused kernels (as `_full`) when `fused_kernels` is on and they apply, else the torch ops."""
+        Runs the fused kernels (as `_full`) when `fused_kernels` is on and they apply, else the torch ops.
+        `routes`: as prefill's, one int64 [B, top_k] per layer."""
         if self.fused_kernels and self.fused.usable():
-            return self.fused.decode(token_ids, batch)
-        return self.decode_torch(token_ids, batch)
+            return self.fused.decode(token_ids, batch, routes=routes)
+        return self.decode_torch(token_ids, batch, routes=routes)
 
-    def decode_torch(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+    def decode_torch(self, token_ids: torch.Tensor, batch: DecodeBatch, streams: torch.Tensor | None = None,
+                     routes: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`decode` with torch ops only (the reference of the fused kernels); `streams` as in full_torch."""
         positions = batch.positions.view(-1, 1).to(token_ids.device)
         ids = token_ids.view(-1, 1)
@@ -173,6 +181,6 @@ class DeepseekV4(nn.Module):
             def attention(x, layer=layer, i=i):
                 return layer.attn.forward_decode(x, positions, batch.layers[i])
 
-            streams = layer(streams, ids, attention)
+            streams = layer(streams, ids, attention, routes=routes)
         batch.positions = batch.positions + 1
         return self._logits(streams)[:, 0]

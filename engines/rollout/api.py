@@ -43,6 +43,9 @@ class EngineConfig:
     """Intra-op CPU threads of the scheduler thread (torch.set_num_threads there; other threads keep theirs).
     None keeps torch's default. A decode step of a small model is thousands of tiny ops, where waking a second
     thread can cost more than it saves: bench/rollout.py measures 1 thread against the default."""
+    enable_return_routed_experts: bool = False
+    """SGLang's --enable-return-routed-experts: requests with return_routed_experts get `routed_experts` (the
+    experts every token was routed to, engine.py). Off, such requests are served without it, as SGLang does."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +76,9 @@ class RequestSpec:
     """First prompt position with an input logprob entry; -1 or len(input_ids): none, output tokens only
     (SGLang's reading of -1 with return_logprob)."""
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    """First position whose routing is returned (SGLang: rows cover [start, len(sequence) - 1))."""
 
 
 @dataclass
@@ -93,6 +99,10 @@ class RequestOutput:
     e2e_latency: float
     weight_versions: list[dict[str, Any]] = field(default_factory=list)
     """Which weights produced which output tokens: `[{"version", "start", "end"}]` (SGLang's meta_info)."""
+    routed_experts: torch.Tensor | None = None
+    """int32 [prompt + output - 1 - routed_experts_start_len, layers, top_k]: the experts each forwarded token was
+    routed to in every layer (hash layers: the tid2eid lookup), for a finished request that asked with
+    enable_return_routed_experts on; None otherwise."""
 
 
 @dataclass

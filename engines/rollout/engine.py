@@ -18,12 +18,16 @@ float ties); temperature-only rows sample by inverse CDF with one uniform draw e
 call (sampling.py `sample_rows`). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer
 recomputes (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
 
+Routed experts (EngineConfig.enable_return_routed_experts, a request's return_routed_experts): the experts every
+forwarded token was routed to, as the MoE kernel chose them, from its prefill (or the prefix-cache entry it was
+served from) and each decode step; returned as SGLang's rows [start, len(sequence) - 1) (docs/rollout-server.md).
+
 Control, with SGLang's semantics (reference/miles-sglang-megatron.md §2.2):
   pause(mode)   abort: finish everything with finish_reason abort | retract: running requests go back
                 to the queue, their caches dropped and recomputed on resume | in_place: freeze them
   weight updates wait until nothing is running (new requests queue meanwhile) unless paused; inside
   a begin/end session nothing is scheduled, and `end_weight_update` rebuilds the runtime copies
-  before generation resumes (weights.py).
+  before generation resumes (weights.py; these methods live in engine_updates.py).
 
     engine = RolloutEngine("ckpt/", EngineConfig(dtype="float32"))
     [out] = engine.generate([RequestSpec(rid="a", input_ids=[0, 5, 9], sampling=SamplingParams(), seed=1)])
@@ -37,7 +41,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -58,20 +62,12 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     UpdateResult,
     weight_version_spans,
 )
-from engines.rollout import memory
+from engines.rollout.engine_updates import WeightUpdates
+from engines.rollout.memory import MemoryRegions
 from engines.rollout.limits import check_request_length, output_cap, scheduler_refusal
-from engines.rollout.prefill import PrefixCache, PrefixEntry, topk_rows
+from engines.rollout.prefill import PrefixCache, PrefixEntry, stack_routes, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
-from engines.rollout.weights import (
-    RawTensor,
-    WeightStore,
-    WeightUpdateError,
-    prepare_runtime_model,
-    randomize_runtime,
-    read_weight_dir,
-    rebuild_runtime,
-    runtime_checksums,
-)
+from engines.rollout.weights import RawTensor, WeightStore, WeightUpdateError, prepare_runtime_model, rebuild_runtime
 
 log = logging.getLogger("v4rl.rollout")
 
@@ -80,8 +76,11 @@ class _Request:
     """Scheduler-side state of one request."""
 
     def __init__(self, spec: RequestSpec, stop_ids: frozenset[int], future: Future,
-                 progress: Callable[[RequestOutput], None] | None = None) -> None:
+                 progress: Callable[[RequestOutput], None] | None = None, record_routes: bool = False) -> None:
         self.spec, self.stop_ids, self.future, self.progress = spec, stop_ids, future, progress
+        self.record_routes = record_routes
+        self.routes: list[torch.Tensor] = []
+        """int32 [tokens, layers, top_k] chunks: row p is the routing of position p when it was forwarded."""
         self.stream = UniformStream(torch.Generator().manual_seed(spec.seed % (2**63)))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -99,6 +98,13 @@ class _Request:
     def sequence(self) -> list[int]:
         return self.spec.input_ids + self.output_ids
 
+    def add_prefill_routes(self, routes: torch.Tensor) -> None:
+        """A prefill's routes [len(sequence), layers, top_k]. Rows a retracted request recorded before stay: row p
+        routed the forward that gave token p+1 its logprob, which the request keeps (radixark/miles#3277: a
+        re-prefill must not pair old logprobs with new routes); the re-prefill supplies the last row only."""
+        kept = torch.cat(self.routes)[:len(routes) - 1] if self.routes else routes[:0]
+        self.routes = [kept, routes[len(kept):]]
+
 
 @dataclass
 class _Command:
@@ -107,7 +113,7 @@ class _Command:
     when_idle: bool
 
 
-class RolloutEngine:
+class RolloutEngine(WeightUpdates):
     """Continuous-batching DeepSeek-V4 engine holding FP8/FP4 weights as stored (see module docstring)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
@@ -135,7 +141,7 @@ class RolloutEngine:
         """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
         self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
-        self._memory = memory.MemoryRegions()  # released regions (memory.py); requests wait while one holds
+        self._memory = MemoryRegions()  # released regions (memory.py); requests wait while one holds
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
         self._deferred: deque[_Command] = deque()
@@ -157,7 +163,8 @@ class RolloutEngine:
         for s in specs:
             self._validate(s)
         futures: list[Future] = [Future() for _ in specs]
-        pending = [_Request(s, self._stop_ids(s), f, None if progress is None else partial(progress, i))
+        pending = [_Request(s, self._stop_ids(s), f, None if progress is None else partial(progress, i),
+                            s.return_routed_experts and self.config.enable_return_routed_experts)
                    for i, (s, f) in enumerate(zip(specs, futures))]
 
         def failed(cmd: Future) -> None:  # engine stopped before the requests were queued
@@ -195,86 +202,6 @@ class RolloutEngine:
         if abort_all_requests:
             self.abort(abort_all=True)
         self._call(lambda: self._set_version(str(version))).result()
-
-    def update_weights_from_disk(self, path: str | Path, *, weight_version: str | None = None,
-                                 abort_all_requests: bool = False, keep_pause: bool = False,
-                                 timeout: float | None = None) -> UpdateResult:
-        """Load a whole checkpoint or one bucket from a HF-layout directory.
-
-        Inside a begin/end session the tensors are staged and applied at end_weight_update. Outside
-        one, this is begin + load + end in one step: it waits until nothing runs (or the engine is
-        paused), applies, rebuilds the runtime copies, and resumes generation unless keep_pause.
-        """
-        path = Path(path)
-        try:
-            cfg, tensors = read_weight_dir(path, fp8_block=self.store.fp8_block)  # off the scheduler thread
-        except (OSError, ValueError) as exc:
-            return UpdateResult(False, f"cannot read weights from {path}: {exc}")
-        return self.update_weights_from_tensors(tensors, source=str(path), cfg=cfg, weight_version=weight_version,
-                                                abort_all_requests=abort_all_requests, keep_pause=keep_pause,
-                                                timeout=timeout)
-
-    def update_weights_from_tensors(self, tensors: Mapping[str, RawTensor], *, source: str, cfg=None,
-                                    weight_version: str | None = None, abort_all_requests: bool = False,
-                                    keep_pause: bool = False, timeout: float | None = None) -> UpdateResult:
-        """The disk update's path for tensors already in memory (native names, stored form: a broadcast bucket)."""
-        num_aborted = self.abort(abort_all=True) if abort_all_requests else 0
-
-        def apply() -> UpdateResult:
-            update = self.store.check_update(tensors, source=source, cfg=cfg)
-            if self._session is not None:
-                self._session.update(update)
-                if weight_version is not None:
-                    self._session_version = str(weight_version)
-                return UpdateResult(True, f"Staged {len(update)} tensors from {source}; they take effect at "
-                                          "/end_weight_update.", num_aborted)
-            self._commit(update, weight_version)
-            if not keep_pause:
-                self._paused = False
-            return UpdateResult(True, f"Succeeded to update model weights from {source} ({len(update)} tensors).",
-                                num_aborted)
-
-        return self._guarded(self._call(apply, when_idle=True), timeout)
-
-    def begin_weight_update(self, timeout: float | None = None) -> UpdateResult:
-        """Open a staging session (waits until nothing runs); nothing is scheduled until it ends."""
-        def begin() -> UpdateResult:
-            if self._session is not None:
-                raise WeightUpdateError("a weight update session is already open; call /end_weight_update first")
-            self._session, self._session_version = {}, None
-            return UpdateResult(True, "Weight update session opened; generation is held until /end_weight_update.")
-
-        return self._guarded(self._call(begin, when_idle=True), timeout)
-
-    def end_weight_update(self, timeout: float | None = None) -> UpdateResult:
-        """Apply the staged tensors, rebuild every runtime copy, close the session, resume scheduling."""
-        def end() -> UpdateResult:
-            if self._session is None:
-                raise WeightUpdateError("no weight update session is open; call /begin_weight_update first")
-            staged, version = self._session, self._session_version
-            self._session = self._session_version = None
-            self._commit(staged, version)
-            return UpdateResult(True, f"Weight update session closed: {len(staged)} tensors applied, runtime "
-                                      "copies rebuilt.")
-
-        return self._guarded(self._call(end), timeout)
-
-    def release_memory_occupation(self, tags: Sequence[str] | None, *, free_weights: bool) -> int:
-        """SGLang's memory release (memory.py): refused unless idle; returns the bytes freed."""
-        return self._call(lambda: self._memory.release(memory.normalize_tags(tags), self.model, self._prefix,
-                                                       free_weights, busy=bool(self._running))).result()
-
-    def resume_memory_occupation(self, tags: Sequence[str] | None) -> None:
-        self._call(lambda: self._memory.resume(memory.normalize_tags(tags), self.model, self._rebuild)).result()
-
-    def reset_runtime_tensors(self, skip: Sequence[str] = ()) -> int:
-        """Overwrite every runtime tensor a weight update rebuilds with random values (SGLang's weights_checker
-        `reset_tensors`: a later update must restore them all); names containing a `skip` entry are kept."""
-        return self._call(lambda: randomize_runtime(self.model, skip)).result()
-
-    def checksums(self) -> dict[str, str]:
-        """sha256 of every runtime parameter and buffer (what the engine computes with)."""
-        return self._call(lambda: runtime_checksums(self.model)).result()
 
     def status(self) -> dict[str, Any]:
         def snapshot() -> dict[str, Any]:
@@ -324,6 +251,9 @@ class RolloutEngine:
         check_request_length(prompt_tokens=n, max_new_tokens=None, context_length=self.context_length)
         if not -1 <= s.logprob_start_len <= n:
             raise ValueError(f"request {s.rid}: logprob_start_len {s.logprob_start_len} must be -1 or in [0, {n}]")
+        if s.return_routed_experts and not 0 <= s.routed_experts_start_len <= n:
+            raise ValueError(f"request {s.rid}: routed_experts_start_len {s.routed_experts_start_len} must be in "
+                             f"[0, {n}] (the prompt's length)")
         if s.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {s.rid}: stop strings need a tokenizer, and {self.model_dir} has none; "
                              "use stop_token_ids")
@@ -429,6 +359,8 @@ class RolloutEngine:
                 self._stats["cached_tokens"] += len(key)
             seen.add(key)
             r.next_logits = entry.last_logits
+            if r.record_routes:
+                r.add_prefill_routes(entry.routes)
             if r.input_logprobs is None:
                 self._set_input_logprobs(r, entry.token_logprobs, top)
             if r.spec.sampling.max_new_tokens == 0:
@@ -486,10 +418,15 @@ class RolloutEngine:
         self._keep_running(keep)
         self._last_decode = None
         if keep:
-            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch)
+            routes = [] if any(r.record_routes for r in keep) else None
+            nxt = self.model.decode(torch.tensor([r.output_ids[-1] for r in keep]), self._batch, routes)
             views = nxt.unbind(0)
             for r, v in zip(keep, views):
                 r.next_logits = v
+            if routes is not None:
+                for r, row in zip(keep, stack_routes(routes, len(keep))):
+                    if r.record_routes:
+                        r.routes.append(row)
             self._last_decode = (nxt, views)
 
     def _keep_running(self, keep: list[_Request]) -> None:
@@ -528,7 +465,15 @@ class RolloutEngine:
             input_logprobs=r.input_logprobs or [], input_top_logprobs=r.input_top,
             cached_tokens=r.cached_tokens, num_retractions=r.num_retractions,
             weight_version=spans[-1]["version"],  # the weights of its last tokens (SGLang's meta_info)
-            e2e_latency=time.monotonic() - r.created, weight_versions=spans)
+            e2e_latency=time.monotonic() - r.created, weight_versions=spans,
+            routed_experts=self._routed_experts(r) if reason is not None and r.record_routes else None)
+
+    @staticmethod
+    def _routed_experts(r: _Request) -> torch.Tensor:
+        """SGLang's rows [start, len(sequence) - 1): every forwarded token but the last one (whose forward, if it
+        ran, feeds no returned logprob)."""
+        rows = torch.cat(r.routes) if r.routes else torch.empty(0, dtype=torch.int32)
+        return rows[r.spec.routed_experts_start_len:len(r.sequence) - 1]
 
     def _finish(self, r: _Request, reason: dict[str, Any]) -> None:
         r.next_logits = None
@@ -562,16 +507,6 @@ class RolloutEngine:
             return False
         self._prefix.clear()
         return True
-
-    def _commit(self, update: Mapping[str, RawTensor], version: str | None) -> None:
-        """Apply stored tensors, rebuild every runtime copy, drop KV computed with the old weights."""
-        self.store.apply(update)
-        if not self._memory.weights_freed:  # released weights are rebuilt from the store at resume
-            self._rebuild()
-        self._prefix.clear()
-        self._stats["weight_updates"] += 1
-        if version is not None:
-            self._set_version(str(version))
 
     def _rebuild(self) -> None:
         rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz)

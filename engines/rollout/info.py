@@ -46,7 +46,7 @@ class ServingState:
             # one engine process on one device (the host CPU): SGLang's single-node, single-GPU values, which
             # Miles' external-engine check (`SGLangEngine._init_external`) compares with what it computed
             "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0, "dist_init_addr": None,
-            "enable_return_routed_experts": False, "enable_return_indexer_topk": False,
+            "enable_return_routed_experts": cfg.enable_return_routed_experts, "enable_return_indexer_topk": False,
             "enable_weights_cpu_backup": enable_memory_saver}
 
     def moved_to(self, model_path: str, load_format: str | None) -> None:

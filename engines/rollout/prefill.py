@@ -4,7 +4,8 @@ LRU prefix cache (the n samples of a GRPO group, a retracted request's resume) a
 Only what a request asks for is computed: the vocabulary projection of every prompt position (prompt logprobs
 and their top-k) runs only for sequences whose requests want them; otherwise the last position's logits, all
 a sampler needs, are the only ones projected. An entry prefilled without them does not serve a later request
-that wants them (it is prefilled again).
+that wants them (it is prefilled again). Every entry keeps the experts its tokens were routed to (a few int32 per
+token and layer), so a request served from the cache returns the routing its KV was computed with.
 
     cache = PrefixCache(model, capacity=512)
     fresh, tokens = cache.prefill({key: top_k}, scored={key})     # key: a tuple of token ids
@@ -33,6 +34,8 @@ class PrefixEntry:
     last_logits: torch.Tensor
     token_logprobs: list[float] | None
     """logprob of token i given tokens < i, for i = 1 .. len-1; None when no request asked for prompt logprobs."""
+    routes: torch.Tensor
+    """int32 [len, layers, top_k]: the experts token i was routed to in each layer, as the prefill computed them."""
 
 
 class PrefixCache:
@@ -68,13 +71,16 @@ class PrefixCache:
             for i in range(0, len(group), PREFILL_CHUNK):
                 chunk = group[i:i + PREFILL_CHUNK]
                 ids = torch.tensor(chunk, dtype=torch.long)
-                logits, caches = self.model.prefill(ids, all_logits=all_logits)
+                routes: list[torch.Tensor] = []
+                logits, caches = self.model.prefill(ids, all_logits=all_logits, routes=routes)
+                per_token = stack_routes(routes, len(chunk))
                 logp = torch.log_softmax(logits.float(), dim=-1) if all_logits else None
                 token_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist() if all_logits else None
                 for j, key in enumerate(chunk):
                     k = tops.get(key, 0)
                     top = topk_rows(logp[j, :-1], k) if k else None
-                    entry = PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j] if all_logits else None)
+                    entry = PrefixEntry(caches[j], logits[j, -1].clone(), token_lp[j] if all_logits else None,
+                                        per_token[j].clone())
                     out[key] = (entry, top)
                     self._remember(key, entry)
                 tokens += ids.numel()
@@ -87,6 +93,12 @@ class PrefixCache:
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
+
+
+def stack_routes(routes: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """The model's per-layer routes (int64 [rows * S, top_k] each) as int32 [rows, S, layers, top_k]."""
+    per_layer = torch.stack(routes, dim=1).to(torch.int32)
+    return per_layer.view(rows, -1, *per_layer.shape[1:])
 
 
 def topk_rows(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:

@@ -15,8 +15,11 @@ expands every item into n samples, item-major. As in SGLang:
   - an unknown sampling key is refused with SGLang's contract text, `{"error": "unknown field `x`, expected
     one of ..."}` (its generated decoder, `sglang/api/v1/api_types.py`); other refusals are
     `{"error": {"message": ...}}`, SGLang's shape for a ValueError.
+  - `return_routed_experts` with `routed_experts_start_len` (0 .. len(prompt)) returns `meta_info.routed_experts`
+    when the server runs with `--enable-return-routed-experts`; without it the request is served without the
+    field, as SGLang does (its capturer does not exist then).
 Features the embedded engine does not have (penalties, grammars, logit_bias, min_p, LoRA,
-routed-expert capture, beam search, ...) are refused when set to anything but "unset", never ignored.
+indexer top-k capture, beam search, ...) are refused when set to anything but "unset", never ignored.
 
 Response per item: `{"text", "output_ids", "meta_info"}` with `meta_info` = `id`, `finish_reason`
 (`{"type": "stop", "matched"}` | `{"type": "length", "length"}` | `{"type": "abort", "message", ...}`),
@@ -25,8 +28,9 @@ as in SGLang without `--reasoning-parser`), `weight_version` and `weight_version
 which output tokens: `[{"version", "start", "end"}]`, more than one span when an update landed mid-request),
 `num_retractions`, `e2e_latency`, and with `return_logprob`: `input_token_logprobs` /
 `output_token_logprobs` as `[logprob, token_id, text_or_null]` lists (the first input entry's logprob is
-null, as in SGLang), `output_token_logprobs_length`, and top-k lists when `top_logprobs_num > 0`. A single
-item gives a dict, a batch (or n > 1) a list.
+null, as in SGLang), `output_token_logprobs_length`, and top-k lists when `top_logprobs_num > 0`; with routed
+experts, `routed_experts`: base64 of int32 `(prompt + completion - 1 - start, num_layers, top_k)`, C order, in the
+finished answer only (SGLang's detokenizer encoding). A single item gives a dict, a batch (or n > 1) a list.
 
 Seeds: with `sampling_params.sampling_seed`, sample j of a prompt is seeded from (seed, j, the prompt's
 tokens): the same seed and prompt give the same output alone or anywhere in a batch, and the prompts of
@@ -35,6 +39,7 @@ one batch do not share a random stream. Without a seed every sample draws a fres
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import secrets
 import uuid
@@ -59,7 +64,7 @@ TOP_K_ALL = 1 << 30
 UNLIMITED_NEW_TOKENS = 1 << 30
 """A null max_new_tokens: generate until a stop or the context length (SGLang's reading)."""
 UNSUPPORTED_REQUEST = ("lora_path", "input_embeds", "image_data", "video_data", "audio_data",
-                       "return_routed_experts", "return_indexer_topk", "return_entropy", "custom_logit_processor",
+                       "return_indexer_topk", "return_entropy", "custom_logit_processor",
                        "token_ids_logprob", "return_hidden_states", "session_params", "return_sampling_mask")
 """Top-level GenerateReqInput fields refused when truthy (an empty list or dict counts as unset)."""
 LOGPROB_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
@@ -111,6 +116,8 @@ def parse_generate(body: Any, tokenizer=None, context_length: int | None = None
     start = _per_item(body.get("logprob_start_len"), size, "logprob_start_len", -1)
     top = _per_item(body.get("top_logprobs_num"), size, "top_logprobs_num", 0)
     rids = _sample_rids(body.get("rid"), size, n, batched)
+    wants_routes = bool(body.get("return_routed_experts") or False)
+    routes_start = _int(body.get("routed_experts_start_len") or 0, "routed_experts_start_len")
     specs: list[RequestSpec] = []
     per_sample: list[dict[str, Any]] = []  # what shapes each sample's response (text, logprob fields)
     for i, ids in enumerate(prompts):
@@ -119,6 +126,8 @@ def parse_generate(body: Any, tokenizer=None, context_length: int | None = None
             _check_length(ids, params[i], sampling, context_length)
         wants_logprob = bool(return_logprob[i])
         first = _logprob_start(_int(start[i], "logprob_start_len"), len(ids)) if wants_logprob else -1
+        if wants_routes:
+            _check_routes_start(routes_start, len(ids))
         for j in range(n):
             per_sample.append({**params[i], "return_logprob": wants_logprob,
                                "top_logprobs_num": _int(top[i], "top_logprobs_num")})
@@ -126,7 +135,8 @@ def parse_generate(body: Any, tokenizer=None, context_length: int | None = None
                 rid=rids[i * n + j], input_ids=ids, sampling=sampling,
                 seed=sample_seed(seed, j, ids) if seed is not None else secrets.randbits(63),
                 min_new_tokens=min_new, stop_strings=stop, return_logprob=wants_logprob,
-                logprob_start_len=first, top_logprobs_num=_int(top[i], "top_logprobs_num")))
+                logprob_start_len=first, top_logprobs_num=_int(top[i], "top_logprobs_num"),
+                return_routed_experts=wants_routes, routed_experts_start_len=routes_start))
     if len({s.rid for s in specs}) != len(specs):
         raise RequestError("rid values must be unique within one request")
     options = {"return_text_in_logprobs": bool(body.get("return_text_in_logprobs") or False),
@@ -219,6 +229,16 @@ def _logprob_start(start: int, prompt_len: int) -> int:
     return start
 
 
+def _check_routes_start(start: int, prompt_len: int) -> None:
+    """SGLang's scheduler check of routed_experts_start_len, with its wording."""
+    if start < 0:
+        raise RequestError(f"routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                           "routed_experts_start_len.")
+    if start > prompt_len:
+        raise RequestError(f"routed_experts_start_len={start} is higher than the number of input tokens "
+                           f"{prompt_len}. Please use a smaller routed_experts_start_len.")
+
+
 def _int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{name!r} must be an integer; got {value!r}")
@@ -292,6 +312,8 @@ def response_item(o: RequestOutput, sample: dict[str, Any], with_text: bool, tok
             meta["input_top_logprobs"] = [None if row is None else [entry(lp, t) for lp, t in row]
                                           for row in o.input_top_logprobs]
             meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in o.output_top_logprobs]
+    if o.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(o.routed_experts.contiguous().numpy().tobytes()).decode("ascii")
     if o.finish_reason is None:
         del meta["e2e_latency"]
     return {"text": _text(o, sample, tokenizer), "output_ids": o.output_ids, "meta_info": meta}

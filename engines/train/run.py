@@ -35,8 +35,19 @@ from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
 from engines import TINY_BASE
+from engines.run_presets import run_numbers
 
 DEFAULT_BASE = TINY_BASE
+TINY = run_numbers("tiny-cpu")
+"""The tiny-cpu preset's numbers (engines/run_presets.py TINY_RUN): the defaults below and of `v4rl train`."""
+LOOP_NUMBERS = ("prompts_per_step", "n_samples", "eval_interval", "eval_samples", "seed", "max_new_tokens",
+                "temperature")
+"""The preset numbers the loop (rl.loop.LoopConfig) reads; the others are TrainRunConfig's own fields."""
+
+
+def tiny_loop(**overrides) -> LoopConfig:
+    """The tiny-cpu preset's loop (dynamic sampling off, as its runs were measured), with `overrides`."""
+    return LoopConfig(**{**{k: TINY[k] for k in LOOP_NUMBERS}, "dynamic_sampling": False, **overrides})
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
                       "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
@@ -55,17 +66,19 @@ it is read from the environment only, never written to config.json, metrics, eve
 class TrainRunConfig:
     base: str = str(DEFAULT_BASE)
     """HF FP8 checkpoint to start from (the rollout engine serves it; the trainer loads it in BF16)."""
-    steps: int = 100
+    steps: int = TINY["steps"]
     """GRPO steps of the whole run."""
     save_interval: int = 10
     """Training checkpoint every this many steps (and at the last step). An interrupted or failed run resumes after
     the last one and trains the steps past it again: a smaller interval loses fewer steps, each save costs time."""
-    n_eval: int = 200
+    n_eval: int = TINY["n_eval"]
     """Held-out problems per evaluation (disjoint from the training prompts)."""
     n_train: int = 4000
     """Training problems the step schedule cycles through."""
-    lr: float = 1e-4
-    max_tokens_per_gpu: int = 8192
+    lr: float = TINY["lr"]
+    """AdamW learning rate of the trainer (TrainerConfig.lr)."""
+    max_tokens_per_gpu: int = TINY["max_tokens_per_gpu"]
+    """Token budget of one trainer micro-batch."""
     recompute: bool = False
     quantization_aware: bool = True
     """Trainer forwards with the FP8 weights the rollout serves (engines/train/fake_quant.py); without it the
@@ -77,7 +90,7 @@ class TrainRunConfig:
     from the base re-stored in this format (converted once, logged, when the base stores experts otherwise), the
     trainer exports in it and its quantization-aware forward uses it. fp8 as on the cluster; fp4 measured as good
     over the first steps (`_rollout_start_weights` has the numbers)."""
-    loop: LoopConfig = field(default_factory=lambda: LoopConfig(dynamic_sampling=False))
+    loop: LoopConfig = field(default_factory=tiny_loop)
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     """How the loss corrects the train/rollout logprob mismatch (rl/corrections.py): the seed's token TIS by
     default; a mode name or the asdict form (config.json) is accepted too."""
@@ -268,9 +281,7 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                                         "recompute": config.recompute,
                                         "quantization_aware": config.quantization_aware,
                                         "rollout_expert_dtype": config.rollout_expert_dtype},
-                        grpo_config={"n_samples_per_prompt": config.loop.n_samples, "lr": config.lr,
-                                     "dynamic_sampling": config.loop.dynamic_sampling,
-                                     "rollout_correction": config.rollout_correction.to_dict()},
+                        grpo_config={"rollout_correction": config.rollout_correction.to_dict()},
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
     workers = _workers(config, Path(run_dir).name, trainer_args, {"model_dir": str(serving), "api_key": api_key})

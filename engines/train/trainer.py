@@ -28,6 +28,7 @@ import torch
 from engines.model.config import ModelConfig
 from engines.train.bf16 import bf16_autocast
 from engines.train.hf_model import native_from_reference, reference_from_native, use_native_mhc
+from engines.train.routing_replay import RouterReplay
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,9 @@ class Sample:
     """Samples of the same prompt share a group id (GRPO normalises within it)."""
     advantage: float = 0.0
     extra: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
+    """The rollout engine's experts per position (int32 [len(prompt + response) - 1, layers, top_k]); with them
+    the step logs train/router_mismatch_frac and, with routing replay, replays them (routing_replay.py)."""
 
 
 @dataclass
@@ -163,6 +167,7 @@ def _token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> 
 class Trainer:
     def __init__(self, model, cfg: ModelConfig, config: TrainerConfig) -> None:
         self.model = use_native_mhc(model.float().train(), cfg)
+        self.router_replay = RouterReplay(self.model)
         self.cfg, self.config = cfg, config
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
@@ -229,11 +234,18 @@ class Trainer:
         logits = torch.cat([prefix.logits[:, -1:][expand], continued.logits[:, :-1]], dim=1)
         return (*_token_logprobs_and_entropy(logits, responses), mask)
 
-    def _micro_batches(self, seqs: list[tuple[list[int], list[int]]]):
-        """(sample indices in row order, forward) per micro-batch, skipping samples without response tokens."""
+    def _micro_batches(self, seqs: list[tuple[list[int], list[int]]], routes: list[torch.Tensor] | None = None,
+                       replay: bool = False):
+        """(sample indices in row order, forward) per micro-batch, skipping samples without response tokens. With
+        the rollout's `routes` (one per sample) every forward runs whole sequences (a shared prefix has no per-sample
+        routes), counting router mismatches into self._mismatch and replaying the routes if `replay`."""
         keep = [i for i, (_, r) in enumerate(seqs) if r]
         kept = [seqs[i] for i in keep]
-        if self.shares_prefix:
+        if routes is not None:
+            for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
+                yield idx, lambda idx=idx: self._forward_logprobs([seqs[i] for i in idx], [routes[i] for i in idx],
+                                                                  replay)
+        elif self.shares_prefix:
             for batch in prefix_batches(kept, self.config.max_tokens_per_gpu):
                 rows = [keep[j] for members in batch.members for j in members]
                 yield rows, lambda batch=batch: self._forward_shared(batch, kept)
@@ -241,7 +253,8 @@ class Trainer:
             for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
                 yield idx, lambda idx=idx: self._forward_logprobs([seqs[i] for i in idx])
 
-    def _forward_logprobs(self, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
+    def _forward_logprobs(self, seqs: list[tuple[list[int], list[int]]], routes: list[torch.Tensor] | None = None,
+                          replay: bool = False) -> tuple[torch.Tensor, ...]:
         """Logprobs, entropies and mask [B, R_max] of the response tokens (right padding; grad enabled)."""
         lengths = [len(p) + len(r) for p, r in seqs]
         ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
@@ -252,8 +265,14 @@ class Trainer:
             ids[b, :lengths[b]] = torch.tensor(p + r)
             pos[b, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
             mask[b, :len(r)] = True
-        with self._autocast():
+        batch_routes = None if routes is None else _padded_routes(routes, ids.shape[1])
+        with self._autocast(), self.router_replay.forward(batch_routes if replay else None):
             out = self._call_model(ids)
+        if batch_routes is not None:
+            valid = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None] - 1
+            mismatched, pairs = self.router_replay.mismatch(batch_routes, valid)
+            self._mismatch[0] += mismatched
+            self._mismatch[1] += pairs
         rows = torch.arange(len(seqs))[:, None]
         return (*_token_logprobs_and_entropy(out.logits[rows, pos], ids[rows, pos + 1]), mask)
 
@@ -283,7 +302,13 @@ class Trainer:
         sequences = sum(1 for s in samples if s.response_ids)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        for idx, forward in self._micro_batches([(s.prompt_ids, s.response_ids) for s in samples]):
+        routes = [s.routed_experts for s in samples] if all(s.routed_experts is not None for s in samples) else None
+        replay = bool(getattr(grpo.rollout_correction, "routing_replay", False))
+        if replay and routes is None:
+            raise ValueError("routing replay is on but the rollout returned no routed experts for some samples; "
+                             "serve the rollout with --enable-return-routed-experts (or turn --routing-replay off)")
+        self._mismatch = [0, 0]
+        for idx, forward in self._micro_batches([(s.prompt_ids, s.response_ids) for s in samples], routes, replay):
             chunk = [samples[i] for i in idx]
             lp, entropy, mask = forward()
             rollout_lp = torch.zeros_like(lp)
@@ -318,6 +343,8 @@ class Trainer:
         self.step += 1
         metrics = {f"train/{k}": v for k, v in sums.items()}
         metrics["train/grad_norm"] = float(grad_norm)
+        if routes is not None:
+            metrics["train/router_mismatch_frac"] = self._mismatch[0] / max(1, self._mismatch[1])
         return metrics
 
     def _batches(self, lengths: list[int], response_lengths: list[int]) -> list[list[int]]:
@@ -335,3 +362,12 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 
+
+def _padded_routes(routes: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Per-sample routes [len - 1, layers, top_k] as one [B, length, layers, top_k] tensor; the positions no route
+    covers (each sequence's last, right padding) get expert 0, whose outputs no logprob reads."""
+    layers, top_k = routes[0].shape[1:]
+    out = torch.zeros(len(routes), length, layers, top_k, dtype=torch.long)
+    for b, r in enumerate(routes):
+        out[b, :len(r)] = r.long()
+    return out
