@@ -29,8 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.train.checkpointing import FAULT_ENV, latest_step
+from engines.train.checkpointing import latest_step
 from engines.train.run_lock import LOCK_NAME, RunDirBusy, hold_run_dir
+from tests.planted import PLANT_DIR, PLANT_ENV
 
 pytestmark = pytest.mark.faults
 
@@ -79,7 +80,7 @@ class _Command:
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **(env or {})}
     return subprocess.run([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -172,9 +173,10 @@ def test_ctrl_c_during_the_demo_ends_it_in_seconds_with_the_flow_run_crashed(tmp
 
 
 def test_a_full_disk_inside_the_ray_trainer_is_one_line(tmp_path, tiny_base):
-    """The checkpoint save of step 2 fails in the trainer actor (checkpointing's fault hook, read there): the user
-    gets CheckpointWriteError's own message on one line, without Ray's traceback or colour codes."""
-    result = _run("train", "--out", str(tmp_path / "run"), "--steps", "2", *TINY_TRAIN, env={FAULT_ENV: "2"})
+    """The checkpoint save of step 2 fails in the trainer actor (a full disk planted there by tests/planted.py): the
+    user gets CheckpointWriteError's own message on one line, without Ray's traceback or colour codes."""
+    result = _run("train", "--out", str(tmp_path / "run"), "--steps", "2", *TINY_TRAIN,
+                  env={PLANT_ENV: "full_disk:2", "PYTHONPATH": os.pathsep.join([str(ROOT), str(PLANT_DIR)])})
     lines = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "writing the training checkpoint of step 2" in lines[0] and "free space on" in lines[0], lines
