@@ -34,6 +34,9 @@ class Completion:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
+    routed_experts: Any = None
+    """The experts the rollout routed every token to (int32 [prompt + output - 1, layers, top_k]) when the run
+    asked for them (routing replay); None otherwise."""
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Pins: (a) on a clean pair (the random tiny checkpoint and its `convert_hf_to_torch_dist` output) the
 report passes with no diverging sub-block, the fp32 rollout equals the fp32 reference and the BF16
 trainer stays well under the seed's 0.09; (b) each of the seed's two bugs, planted in our engine
-(engines/model/faults.py), is named at the right layer and sub-block: hash routing from positions at
+(tests/planted.py), is named at the right layer and sub-block: hash routing from positions at
 the first hash-routed layer's router, the untransposed mHC comb at the first layer's mHC (the FFN-side
 merge of layer 0: at the attention-side merge all hc streams are still equal copies of the embedding,
 and a doubly-stochastic comb mixes equal streams identically either way round); restricted to one
@@ -32,11 +32,12 @@ from typer.testing import CliRunner
 
 from checkpoints.convert import convert_hf_to_torch_dist
 from engines.align import SUB_BLOCKS, AlignConfig, AlignError, align, load_torch_dist, localise
-from engines.model import faults
+from engines.model import model as model_module
 from engines.model.config import HASH_MOE
-from engines.model.faults import planted
+from engines.model.fused_model import FusedModel
 from engines.score import load_ours
 from engines.train.hf_model import reference_from_native
+from tests.planted import planted
 
 NUM_GPUS = 0
 SMALL = dict(n_prompts=4, max_new_tokens=8)
@@ -125,14 +126,16 @@ def test_a_fault_in_one_later_layer_is_named_there(fp32_pair, fault, layer, bloc
     assert localise(ours, theirs, _sequences()).first_divergence is None  # switched off again
 
 
-def test_faults_are_off_by_default_and_restored_after_an_error():
-    assert not faults.ACTIVE.hash_from_positions and not faults.ACTIVE.comb_untransposed
+def test_planted_bugs_are_removed_after_an_error():
+    patched = (model_module.Block.forward, model_module.DeepseekV4.full_torch, model_module.DeepseekV4.decode_torch,
+               model_module.hc_merge, FusedModel.usable)
     with pytest.raises(RuntimeError):
         with planted("comb_untransposed", "hash_from_positions"):
-            assert faults.ACTIVE.on("comb_untransposed", 3)
+            assert model_module.hc_merge is not patched[3]
             raise RuntimeError("boom")
-    assert not faults.ACTIVE.comb_untransposed and not faults.ACTIVE.hash_from_positions
-    with pytest.raises(ValueError, match="fault names"):
+    assert (model_module.Block.forward, model_module.DeepseekV4.full_torch, model_module.DeepseekV4.decode_torch,
+            model_module.hc_merge, FusedModel.usable) == patched
+    with pytest.raises(ValueError, match="bug names"):
         with planted("transposed_comb"):
             pass
 

@@ -1,6 +1,7 @@
 """A write error during a training checkpoint save (issue 8): the disk fills up part-way through the save of
-step 4, after the torch_dist files and part of trainer_state.pt are on disk (V4RL_FAULT_CHECKPOINT_WRITE, a
-fault hook in engines/train/checkpointing.py, read inside the Ray trainer actor).
+step 4, after the torch_dist files and part of trainer_state.pt are on disk: tests/planted.py's full disk, whose
+writes past the limit go to /dev/full so the kernel raises ENOSPC; planted in this process by monkeypatch, in the
+Ray trainer actor by tests/plant/sitecustomize.py at the child's start-up.
 
 Checks: the run fails with CheckpointWriteError naming the step, the iteration directory and the OS error;
 nothing of the failed save is left (no iteration directory, no partial directory, the marker still names step
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from engines.train import checkpointing
-from engines.train.checkpointing import (FAULT_ENV, ITERATION_FILE, TRAINER_STATE, CheckpointWriteError, latest_step,
+from engines.train.checkpointing import (ITERATION_FILE, TRAINER_STATE, CheckpointWriteError, latest_step,
                                          load_training_checkpoint, save_training_checkpoint)
+from tests.planted import plant_full_disk, plant_in_children
 from tests.test_kill_resume import _assert_resumed_like, _Child, _resume, _rows, reference_run  # noqa: F401
 
 pytestmark = pytest.mark.faults
@@ -59,9 +61,10 @@ def test_disk_full_mid_save_leaves_previous_checkpoint(tiny_state, tmp_path, mon
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpointing.shutil, "rmtree", spy)
-    monkeypatch.setenv(FAULT_ENV, "4:65536")
-    with pytest.raises(CheckpointWriteError) as info:
-        _save(root, 4, tiny_state)
+    with pytest.MonkeyPatch.context() as disk:
+        plant_full_disk(disk, step=4, limit=65536)
+        with pytest.raises(CheckpointWriteError) as info:
+            _save(root, 4, tiny_state)
     message = str(info.value)
     assert "step 4" in message and str(root / "iter_0000004") in message, message
     assert "No space left on device" in message and TRAINER_STATE in message, message
@@ -74,7 +77,6 @@ def test_disk_full_mid_save_leaves_previous_checkpoint(tiny_state, tmp_path, mon
     assert latest_step(root) == 2
     assert load_training_checkpoint(root, 2, tiny_state[0])["step"] == 2
 
-    monkeypatch.delenv(FAULT_ENV)
     _save(root, 4, tiny_state)  # space is back: the same step saves and commits
     assert latest_step(root) == 4
 
@@ -93,7 +95,7 @@ def test_partial_save_of_a_killed_process_is_ignored_and_removed(tiny_state, tmp
 
 def test_first_save_failing_names_a_restart_from_step_0(tiny_state, tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
-    monkeypatch.setenv(FAULT_ENV, "2")
+    plant_full_disk(monkeypatch, step=2)
     with pytest.raises(CheckpointWriteError, match=r"does not exist \(no earlier checkpoint\), so a rerun starts "
                                                    r"from step 0"):
         _save(root, 2, tiny_state)
@@ -104,9 +106,10 @@ def test_disk_full_in_trainer_actor_then_resume(tiny_base, reference_run, tmp_pa
     """A real run on Ray (trainer and rollout actors) whose trainer's save of step 4 hits a full disk; a new run
     without the fault resumes from step 2 and ends like the uninterrupted reference."""
     run_dir = tmp_path / "run"
-    monkeypatch.setenv(FAULT_ENV, "4")  # the child's environment; Ray's actors inherit it
-    child = _Child(tmp_path, run_dir, tiny_base, use_ray=True)
-    monkeypatch.delenv(FAULT_ENV)  # the resumed run below has a healthy disk
+    with pytest.MonkeyPatch.context() as disk:  # the child's environment; Ray's actors inherit it
+        plant_in_children(disk, "full_disk:4")
+        child = _Child(tmp_path, run_dir, tiny_base, use_ray=True)
+    # the resumed run below has a healthy disk
     try:
         code = child.proc.wait(timeout=600)
         out = child.output()

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.train.checkpointing import FAULT_ENV, latest_step
+from engines.train.checkpointing import latest_step
 from engines.train.run_lock import LOCK_NAME, RunDirBusy, hold_run_dir
+from tests.planted import PLANT_DIR, PLANT_ENV
 
 pytestmark = pytest.mark.faults
 
@@ -43,8 +44,9 @@ class _Command:
     """`v4rl ARGS` in a child process of its own session, its output in a file."""
 
     def __init__(self, tmp_path: Path, name: str, *args: str, env: dict | None = None) -> None:
+        """`env`: the child's whole environment (default: this process's)."""
         self.log = tmp_path / f"{name}.log"
-        environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+        environ = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,7 +80,7 @@ class _Command:
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    environ = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **(env or {})}
     return subprocess.run([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -147,7 +149,10 @@ def test_a_live_holder_is_named_and_a_dead_ones_lock_is_taken_over_with_a_note(t
 
 def test_ctrl_c_during_the_demo_ends_it_in_seconds_with_the_flow_run_crashed(tmp_path):
     workdir = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    # No PREFECT_* of this session (the shared test server sets PREFECT_LOGGING_LEVEL=WARNING, which would hide
+    # the flow's step lines): the demo as a user starts it, with its own server and home
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     demo = _Command(tmp_path, "demo", "demo", "--workdir", str(workdir), "--steps", "40", env=env)
     try:
         demo.wait_for("step 1:")
@@ -168,9 +173,10 @@ def test_ctrl_c_during_the_demo_ends_it_in_seconds_with_the_flow_run_crashed(tmp
 
 
 def test_a_full_disk_inside_the_ray_trainer_is_one_line(tmp_path, tiny_base):
-    """The checkpoint save of step 2 fails in the trainer actor (checkpointing's fault hook, read there): the user
-    gets CheckpointWriteError's own message on one line, without Ray's traceback or colour codes."""
-    result = _run("train", "--out", str(tmp_path / "run"), "--steps", "2", *TINY_TRAIN, env={FAULT_ENV: "2"})
+    """The checkpoint save of step 2 fails in the trainer actor (a full disk planted there by tests/planted.py): the
+    user gets CheckpointWriteError's own message on one line, without Ray's traceback or colour codes."""
+    result = _run("train", "--out", str(tmp_path / "run"), "--steps", "2", *TINY_TRAIN,
+                  env={PLANT_ENV: "full_disk:2", "PYTHONPATH": os.pathsep.join([str(ROOT), str(PLANT_DIR)])})
     lines = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "writing the training checkpoint of step 2" in lines[0] and "free space on" in lines[0], lines

@@ -3,7 +3,7 @@
 Pins: (a) an update with changed weights changes the outputs and makes the server equal, bit for bit,
 a fresh server started on the same files (whole directory, and begin / buckets / end with generation
 held until the end); (b) the fidelity gate catches each known update bug (FP4 bytes read as FP8, a
-stale runtime copy, transposed scales) and names the tensors; (c) a changed or all-zero tid2eid, or an
+stale runtime copy, transposed scales; planted by tests/planted.py) and names the tensors; (c) a changed or all-zero tid2eid, or an
 export whose storage kind differs, is refused and leaves the served weights untouched. Also: the ROCm
 fnuz runtime path is bit-identical, and an update waits for running requests instead of mixing weights.
 
@@ -31,7 +31,7 @@ from engines.rollout.fidelity import (FidelityError, check_fidelity, compare, pr
                                       server_fingerprint)
 from engines.rollout.server import RolloutServer
 from engines.rollout.sglang import SGLangClient, SGLangHTTPError
-from engines.rollout.weights import FAULTS
+from tests.planted import UPDATE_BUGS, plant_update_bug
 
 PROMPTS = [[0] + [5 + (11 * i + 5 * k) % 90 for k in range(31 + i)] for i in range(3)]
 SAMPLING = {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5}
@@ -147,9 +147,11 @@ def test_update_waits_for_running_requests(tiny_checkpoint, updated):
 
 
 # ------------------------------------------------------------------------------------------- (b)
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("fault", UPDATE_BUGS)
 def test_fidelity_gate_catches_known_update_bugs(tiny_checkpoint, updated, fault):
-    with Serving(tiny_checkpoint, fault=fault) as client:
+    serving = Serving(tiny_checkpoint)
+    plant_update_bug(serving.server.engine, fault)
+    with serving as client:
         assert client.update_weights_from_disk(str(updated))["success"]  # the bug itself is silent
         with pytest.raises(FidelityError) as err:
             check_fidelity(client, updated)

@@ -27,7 +27,7 @@ Report (JSON):
     n_prompts, n_sequences, n_empty_responses, n_tokens, finish_reasons, engines, localisation, config,
     inputs, seconds
 
-Tests plant the seed's two bugs in our engine (engines/model/faults.py) and check the report names them.
+Tests plant the seed's two bugs in our engine (tests/planted.py, by monkeypatch) and check the report names them.
 """
 
 from engines.align.inputs import AlignError, Rollout, generate, held_out_prompts, load_torch_dist

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engines.model import faults
 from engines.model.attention import Attention, LayerCache
 from engines.model.config import ModelConfig
 from engines.model.decode_batch import DecodeBatch
@@ -56,7 +55,7 @@ class Block(nn.Module):
         DeepseekV4.prefill's."""
         post, comb, collapsed = hc_weights(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
         attn_out = attention(self.attn_norm(collapsed))
-        streams = hc_merge(streams, attn_out, post, faults.merge_comb(comb, self.layer))
+        streams = hc_merge(streams, attn_out, post, comb)
         if trace is not None:
             trace["attention"] = attn_out
             trace["mhc_attn"] = streams
@@ -66,7 +65,7 @@ class Block(nn.Module):
         if trace is not None:
             trace["router"] = self.ffn.route(ffn_in, token_ids)
             trace["moe"] = moe_out
-        streams = hc_merge(streams, moe_out, post, faults.merge_comb(comb, self.layer))
+        streams = hc_merge(streams, moe_out, post, comb)
         if trace is not None:
             trace["mhc_ffn"] = streams
         return streams
@@ -157,8 +156,7 @@ class DeepseekV4(nn.Module):
                         c.layers.append(lc)
                 return out
 
-            route_ids = faults.routing_ids(token_ids, positions, i, self.cfg.vocab_size)
-            streams = layer(streams, route_ids, attention, layer_trace, routes)
+            streams = layer(streams, token_ids, attention, layer_trace, routes)
             if trace is not None:
                 trace.append(layer_trace)
         return self._logits(streams if all_logits else streams[:, -1:]), caches
@@ -183,7 +181,6 @@ class DeepseekV4(nn.Module):
             def attention(x, layer=layer, i=i):
                 return layer.attn.forward_decode(x, positions, batch.layers[i])
 
-            streams = layer(streams, faults.routing_ids(ids, positions, i, self.cfg.vocab_size), attention,
-                            routes=routes)
+            streams = layer(streams, ids, attention, routes=routes)
         batch.positions = batch.positions + 1
         return self._logits(streams)[:, 0]

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import torch
 
 from engines.rollout.sampling import SamplingParams
-from engines.rollout.weights import FAULTS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -47,8 +46,6 @@ class EngineConfig:
     enable_return_routed_experts: bool = False
     """SGLang's --enable-return-routed-experts: requests with return_routed_experts get `routed_experts` (the
     experts every token was routed to, engine.py). Off, such requests are served without it, as SGLang does."""
-    fault: str | None = None
-    """Tests only: simulate a known weight-update bug in every rebuild after the first (weights.FAULTS)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,8 +54,6 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1; got {self.max_running_requests}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None (torch's default); got {self.threads}")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}; got {self.fault!r}")
 
     @property
     def rocm_fnuz(self) -> bool:

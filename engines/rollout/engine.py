@@ -509,7 +509,7 @@ class RolloutEngine(WeightUpdates):
         return True
 
     def _rebuild(self) -> None:
-        rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz, fault=self.config.fault)
+        rebuild_runtime(self.model, self.store, rocm_fnuz=self.config.rocm_fnuz)
 
     def _set_version(self, version: str) -> None:
         """Switch the weight version, noting it on every request that already has output (its spans)."""

@@ -7,8 +7,8 @@ Two checks, both exact (no tolerance):
      tid2eid and RoPE tables included) equals the fresh engine's, i.e. the export dequantized; a
      trainer-side manifest of the same form can be passed instead (`expected_checksums`).
 A failure raises `FidelityError` naming the tensors that differ and where the logprobs diverge. It
-catches the known update bugs (weights.FAULTS): FP4 bytes decoded as FP8, a stale runtime copy
-(post-processing skipped), transposed scales; a changed or zeroed tid2eid never gets that far (the
+catches the known update bugs (tests/test_rollout_updates.py plants each: FP4 bytes decoded as FP8, a
+stale runtime copy (post-processing skipped), transposed scales); a changed or zeroed tid2eid never gets that far (the
 update is refused).
 
 Call it while nothing else runs on the engine (after /end_weight_update, before rollouts resume):

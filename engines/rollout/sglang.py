@@ -74,6 +74,9 @@ class GenerateOutput:
     finish_reason: dict[str, Any]
     weight_version: str | None
     raw: dict[str, Any]
+    routed_experts: str | None = None
+    """meta_info.routed_experts as SGLang sends it (base64 of int32 (prompt + output - 1, layers, top_k)), when the
+    request asked for it and the server has --enable-return-routed-experts; else None."""
 
     @property
     def finish_type(self) -> str:
@@ -89,7 +92,7 @@ class GenerateOutput:
                    output_logprobs=[x[0] for x in out_lp],
                    input_logprobs=[x[0] for x in meta.get("input_token_logprobs") or []],
                    finish_reason=meta.get("finish_reason") or {}, weight_version=meta.get("weight_version"),
-                   raw=dict(item))
+                   raw=dict(item), routed_experts=meta.get("routed_experts"))
 
 
 class SGLangClient:
@@ -151,10 +154,12 @@ class SGLangClient:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling_params: Mapping[str, Any] | None = None, *,
                      return_logprob: bool = True, logprob_start_len: int = -1, rids: Sequence[str] | None = None,
-                     timeout: float | None = None) -> list[GenerateOutput]:
+                     return_routed_experts: bool = False, timeout: float | None = None) -> list[GenerateOutput]:
         """Batched token-in/token-out generation: one GenerateOutput per prompt (x n when sampling_params.n)."""
         payload: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": dict(sampling_params or {}),
                                    "return_logprob": return_logprob, "logprob_start_len": logprob_start_len}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         if rids is not None:
             payload["rid"] = list(rids)
         body = self.generate(payload, timeout=timeout)

@@ -15,11 +15,6 @@ Update validation refuses, naming the tensor: unknown names, wrong shapes, a sto
 the one held (FP4 experts arriving as FP8 bytes, a scale-less FP8 weight), and any change to a hash
 layer's `tid2eid` (a frozen routing table; an all-zero table is the buffer an exporter forgot).
 
-`FAULTS` simulate the known update bugs in `rebuild_runtime` so tests can prove the fidelity gate
-catches them: `fp4_as_fp8` (packed FP4 bytes decoded as FP8 values), `skip_rebuild` (the stale
-runtime copy of a server without post-processing), `transposed_scales` (a column-major scale read
-row-major). Never set outside tests.
-
     store = WeightStore.from_dir("ckpt/")            # as stored
     rebuild_runtime(model, store, rocm_fnuz=False)   # dequantized copies in the model
     sums = runtime_checksums(model)                  # name -> sha256 of what the engine computes with
@@ -30,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -44,10 +38,7 @@ from checkpoints.hf import (
 )
 from engines.model import DeepseekV4, ModelConfig
 from engines.model.params import ParamSpec, native_param_specs
-from engines.quant import dequantize_fp8_blockwise, fp8_to_fnuz, scale_to_float32, tensor_checksum
-
-Fault = Literal["fp4_as_fp8", "skip_rebuild", "transposed_scales"]
-FAULTS: tuple[str, ...] = ("fp4_as_fp8", "skip_rebuild", "transposed_scales")
+from engines.quant import dequantize_fp8_blockwise, fp8_to_fnuz, tensor_checksum
 
 
 class WeightUpdateError(ValueError):
@@ -190,29 +181,19 @@ def prepare_runtime_model(cfg: ModelConfig, dtype: torch.dtype) -> DeepseekV4:
 
 
 @torch.no_grad()
-def rebuild_runtime(model: DeepseekV4, store: WeightStore, *, rocm_fnuz: bool = False,
-                    fault: str | None = None) -> None:
+def rebuild_runtime(model: DeepseekV4, store: WeightStore, *, rocm_fnuz: bool = False) -> None:
     """Recompute every runtime tensor from the stored form (in place, into the model's parameters).
 
     Dequantization is fp32 arithmetic then one cast, the same as `checkpoints.hf.load_hf_checkpoint`,
     so a rebuilt engine is bit-identical to one freshly loaded from the same files.
     """
-    if fault is not None and fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
-    if fault == "skip_rebuild":
-        return
-    state = {name: _dequantize(t, rocm_fnuz, fault) for name, t in store.tensors.items()}
+    state = {name: _dequantize(t, rocm_fnuz) for name, t in store.tensors.items()}
     model.load_state_dict(state, strict=True)
 
 
-def _dequantize(t: RawTensor, rocm_fnuz: bool, fault: str | None) -> torch.Tensor:
+def _dequantize(t: RawTensor, rocm_fnuz: bool) -> torch.Tensor:
     if not isinstance(t, QuantizedTensor):
         return t.float() if t.is_floating_point() else t
-    if fault == "transposed_scales":  # the bytes of a column-major scale read with the row-major shape
-        t = QuantizedTensor(t.data, t.scale.t().contiguous().reshape(t.scale.shape), t.kind, t.block)
-    if t.kind == "fp4" and fault == "fp4_as_fp8":  # each packed byte decoded as one E4M3 value
-        values = t.data.view(torch.float8_e4m3fn).float().repeat_interleave(2, dim=1)
-        return values * scale_to_float32(t.scale).repeat_interleave(t.block[1], dim=1)
     if t.kind == "fp8" and rocm_fnuz:
         q, s = fp8_to_fnuz(t.data, t.scale)
         return dequantize_fp8_blockwise(q, s, block=t.block, out_dtype=torch.float32)

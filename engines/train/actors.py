@@ -54,7 +54,8 @@ class TrainerWorker:
         return {"step": step, "extra": state["extra"]}
 
     def train_step(self, groups: list[Group], advantages: list[list[float]]) -> dict[str, float]:
-        samples = [Sample(g.prompt_ids, c.output_ids, c.output_logprobs, r, gi, advantage=a)
+        samples = [Sample(g.prompt_ids, c.output_ids, c.output_logprobs, r, gi, advantage=a,
+                          routed_experts=c.routed_experts)
                    for gi, (g, adv) in enumerate(zip(groups, advantages))
                    for c, r, a in zip(g.completions, g.rewards, adv)]
         return self.trainer.grpo_step(samples, self.grpo)
@@ -111,17 +112,38 @@ class RolloutWorker:
 class HTTPRollout:
     """The loop's Rollout over SGLang's HTTP API (our server or real SGLang): generate, then update + gate."""
 
-    def __init__(self, client, *, fidelity_probe: list[list[int]] | None = None) -> None:
+    def __init__(self, client, *, fidelity_probe: list[list[int]] | None = None,
+                 routed_experts_top_k: int | None = None) -> None:
+        """`routed_experts_top_k`: ask for the experts every token was routed to (routing replay; the server needs
+        --enable-return-routed-experts) and decode them with this top_k; None: do not ask."""
         self.client = client
         self.fidelity_probe = fidelity_probe or []
+        self.routed_experts_top_k = routed_experts_top_k
 
     def generate(self, prompts, *, n: int, temperature: float, max_new_tokens: int, seed: int) -> list[list[Completion]]:
         params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "n": n, "sampling_seed": seed}
-        outs = self.client.generate_ids(prompts, params, return_logprob=True)
+        want_routes = self.routed_experts_top_k is not None
+        outs = self.client.generate_ids(prompts, params, return_logprob=True, return_routed_experts=want_routes)
         if len(outs) != len(prompts) * n:
             raise RuntimeError(f"rollout returned {len(outs)} outputs for {len(prompts)} prompts x n={n}")
-        done = [Completion(o.output_ids, o.output_logprobs, o.finish_type) for o in outs]
+        done = [Completion(o.output_ids, o.output_logprobs, o.finish_type,
+                           self._routes(o, len(prompts[i // n])) if want_routes else None)
+                for i, o in enumerate(outs)]
         return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _routes(self, out, prompt_len: int):
+        """SGLang's base64 int32 routed experts -> a [prompt + output - 1, layers, top_k] tensor."""
+        import base64
+
+        if out.routed_experts is None:
+            raise RuntimeError("routing replay asked the rollout for routed experts and got none: serve it with "
+                               "--enable-return-routed-experts (SGLang and v4rl serve-rollout alike)")
+        rows = prompt_len + len(out.output_ids) - 1
+        flat = torch.frombuffer(bytearray(base64.b64decode(out.routed_experts)), dtype=torch.int32)
+        if flat.numel() % (rows * self.routed_experts_top_k):
+            raise RuntimeError(f"routed experts of {flat.numel()} ids do not fit {rows} tokens x top_k "
+                               f"{self.routed_experts_top_k}")
+        return flat.view(rows, -1, self.routed_experts_top_k)
 
     def load_weights(self, path: str, version: str) -> dict[str, Any]:
         """Update from disk while generation is paused; the server rebuilds runtime state before resuming."""

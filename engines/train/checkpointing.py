@@ -15,16 +15,10 @@ loss at any moment leaves either the previous checkpoint or the new one. A save 
 permission error) raises CheckpointWriteError naming the step, the iteration directory and the cause, and
 removes its partial directory; partial directories left by a killed process are removed by the next save.
 Weights are read back through megatron-core's `dist_checkpointing.load`.
-
-Fault injection (tests only): V4RL_FAULT_CHECKPOINT_WRITE="STEP[:BYTES]" makes the save of iteration STEP
-fail with OSError(ENOSPC) once BYTES (default 1 MiB) of trainer_state.pt are on disk, after the torch_dist
-files were written, as a disk filling up mid-save does. Read at every save, in whichever process saves (a
-Ray trainer actor inherits it from the driver that started the local cluster).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import uuid
@@ -54,7 +48,6 @@ from engines.model.params import native_param_specs
 
 TRAINER_STATE = "trainer_state.pt"
 KEEP_LAST = 3
-FAULT_ENV = "V4RL_FAULT_CHECKPOINT_WRITE"
 PARTIAL_INFIX = ".partial-"
 
 
@@ -104,7 +97,7 @@ def save_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig, nati
         write_common(tmp, cfg, hf_config=cfg.to_hf_dict(), iteration=step)
         master = {k: v.detach().clone() for k, v in native.items()}
         _save_synced({"trainer": trainer_state, "master": master, "rng": rng, "extra": extra, "step": step},
-                     tmp / TRAINER_STATE, fault_limit=_injected_fault(step))
+                     tmp / TRAINER_STATE)
         write_checkpointing_config(tmp)
         fsync_dir(tmp)
         if final.exists():  # a re-save of the same step (a retried segment): replace it whole
@@ -156,48 +149,31 @@ def _remove_partials(root: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _injected_fault(step: int) -> int | None:
-    """Bytes of trainer_state.pt after which the save of `step` fails (V4RL_FAULT_CHECKPOINT_WRITE), or None."""
-    spec = os.environ.get(FAULT_ENV, "").strip()
-    if not spec:
-        return None
-    at, _, limit = spec.partition(":")
-    if not at.isdigit() or (limit and not limit.isdigit()):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected STEP or STEP:BYTES (e.g. 4 or 4:65536)")
-    return (int(limit) if limit else 1 << 20) if int(at) == step else None
-
-
 class _StateFile:
     """What torch.save writes trainer_state.pt through: keeps the OSError behind a failed write (torch.save
-    reports it as "unexpected pos ...") and, under fault injection, fails like a full disk past `limit` bytes."""
+    reports it as "unexpected pos ...") with the file's path on it (a write on a full disk raises
+    `[Errno 28] No space left on device` naming no file)."""
 
-    def __init__(self, f: Any, path: Path, limit: int | None) -> None:
-        self.f, self.path, self.limit, self.error = f, path, limit, None
-        self.written = 0
+    def __init__(self, f: Any, path: Path) -> None:
+        self.f, self.path, self.error = f, path, None
 
     def write(self, data: Any) -> int:
-        try:
-            view = memoryview(data).cast("B")
-            if self.limit is not None and self.written + len(view) > self.limit:
-                room = self.limit - self.written
-                self.f.write(view[:room])
-                self.f.flush()
-                self.written += room
-                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {FAULT_ENV})", str(self.path))
-            n = self.f.write(data)
-            self.written += n
-            return n
-        except OSError as exc:
-            self.error = exc
-            raise
+        return self._named(self.f.write, data)
 
     def flush(self) -> None:
-        self.f.flush()
+        self._named(self.f.flush)
+
+    def _named(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as exc:
+            self.error = exc if exc.filename else OSError(exc.errno, exc.strerror, str(self.path))
+            raise self.error from None
 
 
-def _save_synced(obj: dict, path: Path, *, fault_limit: int | None = None) -> None:
+def _save_synced(obj: dict, path: Path) -> None:
     with open(path, "wb") as f:
-        sink = _StateFile(f, path, fault_limit)
+        sink = _StateFile(f, path)
         try:
             torch.save(obj, sink)
         except RuntimeError:
@@ -206,7 +182,7 @@ def _save_synced(obj: dict, path: Path, *, fault_limit: int | None = None) -> No
             raise
         if sink.error is not None:  # torch swallowed it
             raise sink.error
-        f.flush()
+        sink.flush()
         os.fsync(f.fileno())
 
 

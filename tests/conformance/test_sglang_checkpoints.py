@@ -32,6 +32,7 @@ from engines.engine_sources import engine_python
 from engines.model.config import ModelConfig
 from engines.model.layers import rope_inv_freq
 from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
+from engines import TINY_BASE
 from engines.rollout.launcher import sglang_named_tensors
 
 ASSET = TINY_BASE
@@ -50,7 +51,6 @@ from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sglang.srt.utils.hf_transformers.common import get_rope_config
 from sglang.srt.utils.hf_transformers.config import get_config
 from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
-from engines import TINY_BASE
 
 KEYS = json.loads(sys.argv[1])
 out = {}
