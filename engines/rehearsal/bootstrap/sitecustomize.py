@@ -119,7 +119,27 @@ def _cpu_rng(module):
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
 
 
-_AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng}
+def _in_process_store(module):
+    """A one-rank process group (Miles' idle train actor) rendezvouses through an in-process HashStore instead of
+    the env:// TCPStore, whose server PyTorch binds to every interface with no option to choose one: nothing of
+    a rehearsal listens beyond 127.0.0.1. Groups of more ranks keep their own store."""
+    real = module.init_process_group
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                           *args, **kwargs):
+        size = world_size if world_size != -1 else int(os.environ.get("WORLD_SIZE", "-1"))
+        if store is None and init_method in (None, "env://") and size == 1:
+            import torch.distributed as dist  # complete by the time a group is made
+
+            store, rank, world_size = dist.HashStore(), 0, 1
+        return real(backend, None if store is not None else init_method, timeout, world_size, rank, store,
+                    *args, **kwargs)
+
+    module.init_process_group = init_process_group
+
+
+_AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng,
+                        "torch.distributed.distributed_c10d": _in_process_store}
 _WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor)}
 _AFTER_IMPORT = {**_AFTER_IMPORT_ALWAYS, **{_WORKAROUNDS[w][0]: _WORKAROUNDS[w][1]
                     for w in (os.environ.get("V4RL_REHEARSAL_WORKAROUNDS") or "").split(",") if w in _WORKAROUNDS},
