@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 stamp=.venv/.v4rl-installed
 want=$(sha256sum pyproject.toml setup.sh | sha256sum | cut -c1-16)
 engine_sources() {
-  .venv/bin/python -c "from engines.engine_sources import sglang_paths; sglang_paths()" ||
+  .venv/bin/python -c "from engines.upstream.sources import sglang_paths; sglang_paths()" ||
     echo "setup.sh: SGLang's source could not be cached; the conformance suite will skip its SGLang checks" >&2
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -5,7 +5,7 @@ sizes; fewer layers and routed experts so it fits a small machine; >= 2 GB), in 
 the same disk:
   ours       `convert_hf_to_torch_dist` with one worker per core (fsync on, as always)
   baseline   a single-process load-dequantize-save loop written like DeepSeek's `fp8_cast_bf16.py`
-             (whole shard in memory, engines/quant.py reference dequantizers, safetensors `save_file`)
+             (whole shard in memory, checkpoints/quant.py reference dequantizers, safetensors `save_file`)
   cp         `cp` of one file as large as our output, then `sync` of that file (like for like:
              our conversion fsyncs), and plain `cp` for reference
 Reported: bytes written per second of each (best of `repeats` interleaved runs for ours and cp), the
@@ -43,7 +43,7 @@ from checkpoints.hf import INDEX_FILE, hf_config_dict
 from checkpoints.hf_stream import SafetensorsStreamWriter, hf_entries
 from engines.model.config import CSA, HASH_MOE, HCA, TOPK_MOE, ModelConfig
 from engines.model.params import native_param_specs
-from engines.quant import UE8M0
+from checkpoints.quant import UE8M0
 
 GIB = 1 << 30
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def baseline_fp8_cast_bf16(src: Path, dst: Path) -> None:
     FP4 experts go through the reference FP4 dequantizer (DeepSeek's script has no FP4 branch)."""
     from safetensors.torch import load_file, save_file
 
-    from engines.quant import dequantize_fp4_e2m1, dequantize_fp8_blockwise
+    from checkpoints.quant import dequantize_fp4_e2m1, dequantize_fp8_blockwise
 
     dst.mkdir(parents=True)
     weight_map = json.loads((src / INDEX_FILE).read_text())["weight_map"]

@@ -74,7 +74,7 @@ def evaluate_one(settings: E2ESettings, model_dir: Path) -> dict[str, Any]:
     """The held-out evaluation of one checkpoint: pass@1..8, truncation, length and the pass@1 standard error."""
     from transformers import AutoTokenizer
 
-    from engines.score import load_ours
+    from engines.align.score import load_ours
     from engines.train.run import prompt_encoder
     from rl.loop import evaluate
 

@@ -81,8 +81,8 @@ def main(json_out: Path, *, model_dir: Path | None = None, repeats: int = 3) -> 
 # ---------------------------------------------------------------------------------------------- setup
 def _random_tiny_checkpoint(out: Path) -> Path:
     from checkpoints.hf import save_hf_checkpoint
-    from engines.presets import tiny_cpu_model_config
-    from engines.tokenizer import build_tokenizer
+    from engines.presets.models import tiny_cpu_model_config
+    from engines.model.tokenizer import build_tokenizer
     from engines.train.hf_model import build_reference_model, native_from_reference
 
     cfg = tiny_cpu_model_config()
@@ -130,7 +130,7 @@ def _generation_at(model_dir: Path, prompts: list[list[int]], repeats: int, thre
     from engines.rollout.sampling import SamplingParams
     from engines.rollout.server import RolloutServer
     from engines.rollout.sglang import SGLangClient
-    from engines.score import load_reference
+    from engines.align.score import load_reference
 
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
     tokens = BATCH * NEW_TOKENS
@@ -195,7 +195,7 @@ def _decode_step_breakdown(model_dir: Path, prompts: list[list[int]], hf_generat
     """One batched decode step, both sides (bench/decode_profile.py), and our model's whole generation (prefill +
     decode steps, no scheduler, sampling or HTTP) against transformers' 1-thread generate."""
     from engines.model import DecodeBatch
-    from engines.score import load_ours, load_reference
+    from engines.align.score import load_ours, load_reference
 
     ids = torch.tensor(prompts)
     tokens = ids[:, -1].clone()  # any valid ids: a step's cost does not depend on which

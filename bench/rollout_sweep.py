@@ -116,7 +116,7 @@ def main(json_out: Path, *, repeats: int = 3, cases: tuple[SweepCase, ...] = CAS
 
 # ---------------------------------------------------------------------------------------------- one case
 def _run_case(case: SweepCase, model_dir: Path, repeats: int) -> dict[str, Any]:
-    from engines.score import load_reference
+    from engines.align.score import load_reference
 
     _random_checkpoint(case.model, model_dir)
     g = torch.Generator().manual_seed(0)
@@ -186,7 +186,7 @@ def _generation_at(case: SweepCase, model_dir: Path, reference, prompts: torch.T
 
 def _breakdown(model_dir: Path, reference, prompts: torch.Tensor, steps: int = 5) -> dict[str, Any]:
     """At 1 thread: one prefill of the batch and one decode step after it, both sides (see module docstring)."""
-    from engines.score import load_ours
+    from engines.align.score import load_ours
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -222,7 +222,7 @@ def _write_json(path: Path, result: dict[str, Any]) -> None:
 
 
 def _plot(result: dict[str, Any], path: Path) -> Path:
-    from engines.report import _save, plt
+    from engines.train.report import _save, plt
 
     cases = result["cases"]
     settings = list(cases[0]["by_threads"])

@@ -328,7 +328,7 @@ def verify_torch_dist(ckpt: str | Path, *, against: str | Path | None = None, ba
     """Load a torch_dist checkpoint with megatron-core and check it tensor by tensor.
 
     Names, shapes and dtypes against the model config (stored in common.pt, else `against`'s
-    config.json); every tensor finite; with `against`, every value equal to engines/quant.py's
+    config.json); every tensor finite; with `against`, every value equal to checkpoints/quant.py's
     dequantization of the HF source. Tensors load in batches of about `batch_bytes` (big stacked
     expert tensors as expert-axis fragments), so memory stays bounded.
     """

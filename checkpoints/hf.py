@@ -50,7 +50,7 @@ from checkpoints.names import IGNORED_NATIVE_PREFIXES, sglang_to_native_name
 from engines.model.config import ModelConfig
 from engines.model.config_format import ALIASES, TRANSFORMERS_ONLY
 from engines.model.params import ParamSpec, native_param_specs
-from engines.quant import (
+from checkpoints.quant import (
     UE8M0,
     dequantize_fp4_e2m1,
     dequantize_fp8_blockwise,

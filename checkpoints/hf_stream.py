@@ -5,10 +5,10 @@
   pointing nowhere, unknown names refused) -> `SourcePlan` of `SourceTensor`s in native order.
 - `decode(tensor, files, scratch)`: read one tensor from its byte range and dequantize it to what a
   BF16 torch_dist stores (`TORCH_DIST_DTYPES`), through `fast_dequantize_fp8/fp4`: bit-identical to
-  engines/quant.py (tested), ~4x (FP8) and ~20x (FP4) faster on CPU. With power-of-two (UE8M0)
+  checkpoints/quant.py (tested), ~4x (FP8) and ~20x (FP4) faster on CPU. With power-of-two (UE8M0)
   scales FP8/FP4 value x 2**k is exact in BF16, so values come from a 256-entry table and are scaled
   in BF16; fp32 scales, ragged blocks or extreme exponents take the fp32 route and cast last, as the
-  reference does. `reference_decode` uses engines/quant.py itself (for verification).
+  reference does. `reference_decode` uses checkpoints/quant.py itself (for verification).
 - `hf_entries` + `SafetensorsStreamWriter`: write a shard whose tensor list is known up front,
   header first, then tensor by tensor (export never holds a shard in memory).
 - `requantize_like`: re-encode with another checkpoint's block scales wherever they are exact, so an
@@ -41,7 +41,7 @@ from checkpoints.hf import FP4_GROUP, FP8_BLOCK, INDEX_FILE, CheckpointError, Qu
 from checkpoints.torch_dist import TORCH_DIST_DTYPES
 from engines.model.config import ModelConfig
 from engines.model.params import native_param_specs
-from engines.quant import FP4_E2M1_VALUES, UE8M0, dequantize_fp4_e2m1, dequantize_fp8_blockwise, scale_to_float32, to_ue8m0
+from checkpoints.quant import FP4_E2M1_VALUES, UE8M0, dequantize_fp4_e2m1, dequantize_fp8_blockwise, scale_to_float32, to_ue8m0
 
 ExportFormat = Literal["hf-bf16", "hf-fp8"]
 
@@ -332,7 +332,7 @@ def _pow2_range(scale: torch.Tensor) -> tuple[int, int] | None:
 
 def fast_dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, *, block: tuple[int, int] = (128, 128),
                         out_dtype: torch.dtype = torch.bfloat16, out: np.ndarray | None = None) -> torch.Tensor:
-    """== engines.quant.dequantize_fp8_blockwise(q, scale, block, out_dtype), bit for bit, ~4x faster on CPU.
+    """== checkpoints.quant.dequantize_fp8_blockwise(q, scale, block, out_dtype), bit for bit, ~4x faster on CPU.
 
     `out`: optional uint8 buffer of exactly the result's byte size to write into (fast path only).
     """
@@ -356,7 +356,7 @@ def fast_dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, *, block: tuple[in
 
 def fast_dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, *, group: int = FP4_GROUP,
                         out_dtype: torch.dtype = torch.bfloat16, out: np.ndarray | None = None) -> torch.Tensor:
-    """== engines.quant.dequantize_fp4_e2m1(packed, scale, group, out_dtype), bit for bit, ~20x faster.
+    """== checkpoints.quant.dequantize_fp4_e2m1(packed, scale, group, out_dtype), bit for bit, ~20x faster.
 
     `out`: optional uint8 buffer of exactly the result's byte size to write into (fast path only).
     """
@@ -397,7 +397,7 @@ def decode(t: SourceTensor, files: HFFiles, scratch: Scratch) -> torch.Tensor:
 
 
 def reference_decode(t: SourceTensor, files: HFFiles) -> torch.Tensor:
-    """Same as the conversion's decode, through engines/quant.py's reference dequantizers (for verification)."""
+    """Same as the conversion's decode, through checkpoints/quant.py's reference dequantizers (for verification)."""
     data = files.read(t.weight)
     if t.quant is None:
         return data.to(t.out_dtype)

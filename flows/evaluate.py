@@ -73,7 +73,7 @@ def _publish_plot(run_dir: str, step: int, artifact_key: str | None) -> None:
     """pass@k over every step evaluated so far: plots/pass_at_k.png, and a markdown artifact embedding it."""
     import base64
 
-    from engines.report import plot_pass_at_k
+    from engines.train.report import plot_pass_at_k
     from engines.train.runlog import RunLog
 
     plot = plot_pass_at_k(RunLog(run_dir).evals(), Path(run_dir) / "plots" / "pass_at_k.png")

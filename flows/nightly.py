@@ -19,12 +19,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engines.run_presets import SHORT_RUNS
+from engines.presets.runs import SHORT_RUNS
 from flows.params import PipelineParams
 from flows.rl_pipeline import rl_pipeline
 
 NIGHTLY_RUN = SHORT_RUNS["nightly"]
-"""The validation run: the preset with a few steps (engines/run_presets.py SHORT_RUNS, an override of tiny-cpu)."""
+"""The validation run: the preset with a few steps (engines/presets/runs.py SHORT_RUNS, an override of tiny-cpu)."""
 HISTORY_PREFIX = "runs/"
 RECORD = "nightly.json"
 
@@ -49,7 +49,7 @@ class NightlyParams(BaseModel):
     @field_validator("preset")
     @classmethod
     def _preset(cls, v: str) -> str:
-        from engines.run_presets import get_run_preset
+        from engines.presets.runs import get_run_preset
 
         return get_run_preset(v).name  # any spelling of a known preset; ValueError naming the closest otherwise
 

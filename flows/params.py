@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
-from engines.run_presets import run_numbers
+from engines.presets.runs import run_numbers
 
 from rl.correction_setting import Mode, RolloutCorrection
 from rl.field_docs import field_docs
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 FORM_NUMBERS = ("steps", "eval_interval", "prompts_per_step", "n_samples", "n_eval", "eval_samples", "lr", "seed")
-"""The fields of the form that are a preset's numbers (engines.run_presets.RUN_NUMBERS): their defaults are the
+"""The fields of the form that are a preset's numbers (engines.presets.runs.RUN_NUMBERS): their defaults are the
 tiny-cpu preset's, and a cluster preset fills in its own (PRESET_PARAMS)."""
 _TINY = {name: value for name, value in run_numbers("tiny-cpu").items() if name in FORM_NUMBERS}
 _SEED_RUN = {**{name: value for name, value in run_numbers("dsv4-flash-mi355x").items() if name in FORM_NUMBERS},
@@ -35,7 +35,7 @@ _SEED_RUN = {**{name: value for name, value in run_numbers("dsv4-flash-mi355x").
 PRESET_PARAMS: dict[str, dict] = {
     "dsv4-flash-mi355x": _SEED_RUN, "dsv4-flash-mi355x-1node": _SEED_RUN, "dsv4-flash-mi355x-32gpu": _SEED_RUN}
 """Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): the seed's run
-(engines/run_presets.py SEED_RUN) on each cluster layout; DESIGN.md Presets."""
+(engines/presets/runs.py SEED_RUN) on each cluster layout; DESIGN.md Presets."""
 _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
 CLUSTER_CORRECTIONS = ("none", "tis")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
@@ -109,7 +109,7 @@ class PipelineParams(BaseModel):
                                                  "synthetic set, math-verify for eval_data) or any value reward "
                                                  "accepts.")
 
-    # ---- Cluster site and Miles job (cluster presets only; names are engines.site.Site / MilesJob fields) ----
+    # ---- Cluster site and Miles job (cluster presets only; names are engines.profiles.site.Site / MilesJob fields) ----
     ray_address: str | None = Field(None, description="RAY_ADDRESS: the Jobs API of the existing Ray cluster, e.g. "
                                                       "http://10.0.0.1:8265 (v4rl never starts or stops Ray).")
     master_addr: str | None = Field(None, description="MASTER_ADDR: torch.distributed rendezvous host, usually the "
@@ -156,7 +156,7 @@ class PipelineParams(BaseModel):
         run, not 20 tiny-cpu steps at lr 1e-4 under the run key "tiny-cpu"."""
         if not isinstance(data, dict) or not isinstance(data.get("preset"), str):
             return data
-        from engines.run_presets import preset_name
+        from engines.presets.runs import preset_name
 
         try:
             name = preset_name(data["preset"])
@@ -169,7 +169,7 @@ class PipelineParams(BaseModel):
     def _preset_spelling(cls, v):
         """tiny_cpu, TINY-CPU and tiny-cpu are one preset, as in `v4rl train` and `v4rl plan`."""
         if isinstance(v, str):
-            from engines.run_presets import preset_name
+            from engines.presets.runs import preset_name
 
             return preset_name(v)  # ValueError naming the closest known preset
         return v
@@ -303,14 +303,14 @@ class PipelineParams(BaseModel):
     def megatron_names(self) -> str:
         """The torch_dist key names the convert task writes: the cluster's Miles generation's (plugin names for
         the embedded engines, whose trainer reads either)."""
-        from engines.backends import pipeline_backend
+        from engines.presets.backends import pipeline_backend
 
         if not pipeline_backend(self.preset).on_cluster:
             return "plugin"
         return "megatron" if self.resolved_miles_generation() == 2 else "plugin"
 
     def miles_overrides(self) -> dict:
-        """The run preset overrides these parameters make on the cluster path (engines.run_presets OVERRIDES)."""
+        """The run preset overrides these parameters make on the cluster path (engines.presets.runs OVERRIDES)."""
         out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
                      "n_samples_per_prompt": self.n_samples, "eval_interval": self.eval_interval,
                      "n_samples_per_eval_prompt": self.eval_samples, "lr": self.lr}
@@ -339,8 +339,8 @@ class PipelineParams(BaseModel):
                         megatron_dir=self.megatron_dir, data_dir=self.data_dir, log_dir=str(self.run_dir))
 
     def site(self):
-        """The engines.site.Site of this run: these parameters over `site_block`'s values."""
-        from engines.site import SITE_PARAMETERS, Site
+        """The engines.profiles.site.Site of this run: these parameters over `site_block`'s values."""
+        from engines.profiles.site import SITE_PARAMETERS, Site
 
         given = {k: getattr(self, k) for k in SITE_PARAMETERS if getattr(self, k)}
         if self.site_block:

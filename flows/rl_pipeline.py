@@ -6,7 +6,7 @@
            evaluate (subflow: artifact row, pass@k plot) -> upload
     report -> upload
 
-The same body for every preset: the preset picks the engines (engines/backends.py). tiny-cpu trains and
+The same body for every preset: the preset picks the engines (engines/presets/backends.py). tiny-cpu trains and
 evaluates with the embedded engines here; a GPU preset runs ONE Miles job for the whole run on the existing Ray
 cluster (Miles evaluates before training and every eval_interval rollouts, saves every --save-interval), aligns
 with SGLang + Megatron there, and lands its metrics and evaluations in the same run directory, report and
@@ -134,7 +134,7 @@ def _pipeline(params: PipelineParams, log) -> dict:
 def _miles(p: PipelineParams) -> dict | None:
     """The Miles job of a cluster preset (site, paths, preset overrides, where results go), as plain dicts for
     the tasks (engines/train/miles/pipeline.py ClusterRun.from_miles); None: the embedded engines."""
-    from engines.backends import pipeline_backend
+    from engines.presets.backends import pipeline_backend
 
     if not pipeline_backend(p.preset).on_cluster:
         return None
@@ -171,6 +171,6 @@ def _links(uploaded: dict) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    from engines.run_presets import SHORT_RUNS
+    from engines.presets.runs import SHORT_RUNS
 
     rl_pipeline(PipelineParams.preset_defaults("tiny-cpu", **SHORT_RUNS["nightly"]))

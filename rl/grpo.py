@@ -80,7 +80,7 @@ class GRPOConfig:
     Only what :meth:`engines.train.trainer.Trainer.grpo_step` reads lives here; the rest of a run has one home
     each: the group size, dynamic sampling and std normalisation in :class:`rl.loop.LoopConfig`, the learning rate
     in ``TrainerConfig`` (from ``TrainRunConfig.lr``), the run's numbers in the tiny-cpu preset
-    (``engines.run_presets.TINY_RUN``). There is no KL penalty: the trainer keeps no reference model
+    (``engines.presets.runs.TINY_RUN``). There is no KL penalty: the trainer keeps no reference model
     (``policy_loss`` takes one for callers that do).
 
     Invalid values raise ``ValueError`` at construction, naming the field and the fix.

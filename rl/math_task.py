@@ -53,7 +53,7 @@ __all__ = [
 PROMPT_TEMPLATE = ("Solve the following math problem. Your response should end with \\boxed{{ANSWER}} where "
                    "ANSWER is the answer. Compute {a}+{b}. Answer in \\boxed{{}}.")
 """Prompt text; ``{a}`` and ``{b}`` are the operands. At least 127 tokens with one-digit operands (128 with BOS),
-so that the last prompt position already sees the first 128-token HCA entry (engines/presets.py)."""
+so that the last prompt position already sees the first 128-token HCA entry (engines/presets/models.py)."""
 
 ANSWER_TEMPLATE = "\\boxed{{{label}}}"
 """Target completion (what the model should emit after the prompt, before EOS)."""

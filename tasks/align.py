@@ -1,4 +1,4 @@
-"""Prefect task: the cross-engine alignment gate. The preset's engines pick how (engines/backends.py):
+"""Prefect task: the cross-engine alignment gate. The preset's engines pick how (engines/presets/backends.py):
 
   embedded  engines/align: our rollout engine generates once, the trainer (from torch_dist, BF16) and
             transformers' reference rescore the same tokens, and the first diverging layer and sub-block is named;

@@ -22,12 +22,12 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
     """`miles` (cluster presets): {"site": Site fields, "job": MilesJob fields, "overrides": preset overrides,
     "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones),
     "sglang_dir": the SGLang source the cluster runs, checked on CPU for online-update fidelity (None: skipped)}."""
-    from engines.launch import preflight_plan
+    from engines.train.miles.launch import preflight_plan
     from rl.math_task import make_splits
 
     plan = preflight_plan(preset, (miles or {}).get("overrides"))  # InfeasibleLayout naming each rule and fix
     if hf_checkpoint:  # raises CpuFitError naming the step, its estimate and this machine's memory
-        from engines.backends import pipeline_backend
+        from engines.presets.backends import pipeline_backend
         from engines.layout.cpu_fit import check_cpu_fit
 
         fits = check_cpu_fit(hf_checkpoint, pipeline_backend(preset).cpu_steps)
@@ -57,8 +57,8 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
 
 def _check_sglang_model(preset: str, miles: dict) -> dict:
     """The SGLang the cluster will run, on CPU: one update in the job's setting must reproduce a fresh load
-    (engines/rollout/sglang_preflight.py); SGLangUpdateRejected (not retried) naming the parameter when not."""
-    from engines.rollout.sglang_preflight import SGLangUpdateRejected, check, summary
+    (engines/checks/sglang_preflight.py); SGLangUpdateRejected (not retried) naming the parameter when not."""
+    from engines.checks.sglang_preflight import SGLangUpdateRejected, check, summary
 
     result = check(preset, miles.get("overrides") or {}, miles["sglang_dir"])
     if not result.ok:
@@ -86,8 +86,8 @@ def _check_miles_job(preset: str, miles: dict) -> dict:
     from pathlib import Path
 
     from engines.profiles import get_profile
-    from engines.run_presets import resolve
-    from engines.site import Site
+    from engines.presets.runs import resolve
+    from engines.profiles.site import Site
     from engines.train.miles import MilesJob, prepare_job
     from engines.train.miles.preflight import MilesRejected, check_command
 

@@ -43,8 +43,8 @@ def write_random_tiny_checkpoint(out_dir: Path, *, seed: int = 0, **save_kwargs)
     import tempfile
 
     from checkpoints.hf import save_hf_checkpoint
-    from engines.presets import tiny_cpu_model_config
-    from engines.tokenizer import build_tokenizer
+    from engines.presets.models import tiny_cpu_model_config
+    from engines.model.tokenizer import build_tokenizer
     from engines.train.hf_model import build_reference_model, native_from_reference
 
     cfg = tiny_cpu_model_config()

@@ -130,7 +130,7 @@ def plant_update_bug(engine, bug: str) -> None:
 def _mis_decoded(t, bug: str):
     """The stored tensor as the buggy rebuild reads it (the real rebuild dequantizes what this returns)."""
     from checkpoints.hf import QuantizedTensor
-    from engines.quant import scale_to_float32
+    from checkpoints.quant import scale_to_float32
 
     if not isinstance(t, QuantizedTensor):
         return t

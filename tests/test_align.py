@@ -35,7 +35,7 @@ from engines.align import SUB_BLOCKS, AlignConfig, AlignError, align, load_torch
 from engines.model import model as model_module
 from engines.model.config import HASH_MOE
 from engines.model.fused_model import FusedModel
-from engines.score import load_ours
+from engines.align.score import load_ours
 from engines.train.hf_model import reference_from_native
 from tests.planted import planted
 

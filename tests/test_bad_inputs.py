@@ -191,7 +191,7 @@ def test_training_run_reports_dropped_rows_and_grader_errors(tiny_base, tmp_path
     """run_training end to end (in-process engines, one step): the data file's drop counts and the grader's
     failures reach metrics.jsonl, events.jsonl and report.md."""
     import rl.rewards
-    from engines.report import write_report
+    from engines.train.report import write_report
     from engines.train.run import TrainRunConfig, run_training
 
     rows = [{"prompt": PROMPT.format(a=a, b=b), "label": str(a + b)} for a, b in ((12, 30), (25, 17), (40, 41))]

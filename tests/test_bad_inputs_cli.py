@@ -165,7 +165,7 @@ def test_the_suggested_commands_accept_every_spelling(tmp_path):
     parameters normalise case and _/- exactly as `v4rl train` does."""
     from typer.testing import CliRunner
 
-    from engines.run_presets import preset_name
+    from engines.presets.runs import preset_name
     from flows.params import PipelineParams
     from v4rl.cli import app
 
@@ -180,7 +180,7 @@ def test_the_suggested_commands_accept_every_spelling(tmp_path):
     assert params.miles_overrides()["input_key"] == "question"
     assert params.training_fingerprint() != PipelineParams(preset="dsv4-flash-mi355x", hf_checkpoint="/data/x",
                                                            runs_root=str(tmp_path)).training_fingerprint()
-    from engines.run_presets import resolve
+    from engines.presets.runs import resolve
     from engines.train.miles.train_args import rollout_args
 
     argv = rollout_args(resolve(params.preset, params.miles_overrides())[0], params.miles_job())

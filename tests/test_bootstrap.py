@@ -41,7 +41,7 @@ def test_asset_is_a_native_fp8_fp4_checkpoint_in_the_band():
 
 def test_asset_pass_at_k_reproduces_from_the_stored_bytes():
     """Re-evaluating the stored checkpoint with the recorded seed gives the recorded pass@k exactly."""
-    from engines.score import load_ours
+    from engines.align.score import load_ours
     from engines.train.bootstrap import deterministic_torch, evaluate_pass_at_k
     from rl.math_task import make_splits
     from transformers import AutoTokenizer

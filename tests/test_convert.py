@@ -1,7 +1,7 @@
 """Pins the HF FP8/FP4 <-> Megatron torch_dist conversion (checkpoints/convert.py, hf_stream.py, manifest.py)
 and its CLI (`v4rl convert | export | verify-ckpt`):
 
-- the fast dequantizers are bit-identical to engines/quant.py's reference ones;
+- the fast dequantizers are bit-identical to checkpoints/quant.py's reference ones;
 - megatron-core's `dist_checkpointing.load` on CPU returns exactly our dequantization of the source, for
   the random tiny-cpu checkpoint and for 2 layers of real DeepSeek-V4-Flash shapes (hidden 4096, vocab
   129280, 64x512 heads, 128x128 FP8 blocks, FP4 1x32 experts of width 2048; 4 routed experts, >= 2 GB);
@@ -43,7 +43,7 @@ from checkpoints.names import native_to_megatron
 from checkpoints.torch_dist import TORCH_DIST_DTYPES, megatron_specs, read_common, read_dcp_metadata
 from engines.model.config import CSA, HASH_MOE, HCA, TOPK_MOE, ModelConfig
 from engines.model.params import native_param_specs
-from engines.quant import UE8M0, dequantize_fp4_e2m1, dequantize_fp8_blockwise, quantize_fp8_blockwise, to_ue8m0
+from checkpoints.quant import UE8M0, dequantize_fp4_e2m1, dequantize_fp8_blockwise, quantize_fp8_blockwise, to_ue8m0
 from tests.conftest import write_random_tiny_checkpoint
 
 NUM_GPUS = 0

@@ -40,7 +40,7 @@ from checkpoints.torch_dist import (
 )
 from engines.model.config import ModelConfig
 from engines.model.params import native_param_specs
-from engines.presets import tiny_cpu_model_config
+from engines.presets.models import tiny_cpu_model_config
 
 NUM_GPUS = 0
 ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")

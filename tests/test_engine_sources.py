@@ -1,4 +1,4 @@
-"""engines/engine_sources.py and engines/engine_stubs.py: pins, source trees, the stub finder's rules.
+"""engines/upstream/sources.py and engines/upstream/stubs.py: pins, source trees, the stub finder's rules.
 
     .venv/bin/python -m pytest tests/test_engine_sources.py -q
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engines import engine_sources
-from engines.engine_sources import EngineSourceMissing, engine_python
+from engines.upstream import sources as engine_sources
+from engines.upstream.sources import EngineSourceMissing, engine_python
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,7 +126,7 @@ AssertionError: dsv4_impl=megatron needs TP=1
 
 
 def test_engine_error_keeps_argparse_and_assertion_text_and_drops_the_traceback():
-    from engines.engine_sources import engine_error
+    from engines.upstream.sources import engine_error
 
     assert engine_error(ARGPARSE_EXIT, exception="SystemExit: 2") == \
         "train.py: error: unrecognized arguments: --dsv4-impl miles"

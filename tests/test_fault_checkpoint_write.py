@@ -31,7 +31,7 @@ pytestmark = pytest.mark.faults
 
 @pytest.fixture(scope="module")
 def tiny_state():
-    from engines.presets import tiny_cpu_model_config
+    from engines.presets.models import tiny_cpu_model_config
     from engines.train.hf_model import build_reference_model, native_from_reference
 
     cfg = tiny_cpu_model_config()

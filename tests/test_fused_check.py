@@ -105,7 +105,7 @@ def test_float64_reference_records_near_ties_of_top_k_decisions():
 def test_the_torch_ops_run_under_the_reference_are_float64_and_near_float32():
     """The reference is a float64 run of the very torch ops (a model bug would be in both paths), within float32
     rounding of the float32 run."""
-    from engines.presets import tiny_cpu_model_config
+    from engines.presets.models import tiny_cpu_model_config
 
     model = fused_check.synthetic_model(tiny_cpu_model_config())
     ids = torch.randint(3, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -210,7 +210,7 @@ KERNELS = ("hc_pre", "hc_post", "rms_norm", "heads_norm_rope", "kv_store", "comp
 @pytest.mark.parametrize("relative", [1e-3, 1e-5])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_an_error_in_any_kernel_fails_the_check(monkeypatch, kernel, relative):
-    from engines.presets import tiny_cpu_model_config
+    from engines.presets.models import tiny_cpu_model_config
 
     monkeypatch.setattr(fused, kernel, _planted(kernel, relative))
     result = check_config(tiny_cpu_model_config())

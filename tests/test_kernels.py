@@ -112,7 +112,7 @@ def test_a_trainer_model_with_native_mhc_equals_stock_transformers(tiny_checkpoi
 @needs_compiler
 def test_model_logits_are_identical_with_and_without_native_kernels(monkeypatch, tiny_checkpoint):
     from engines.model import DecodeBatch
-    from engines.score import load_ours
+    from engines.align.score import load_ours
 
     model = load_ours(tiny_checkpoint)
     ids = torch.randint(3, model.cfg.vocab_size, (6, 11), generator=torch.Generator().manual_seed(0))
@@ -176,7 +176,7 @@ def test_concurrent_builds_into_one_cache_all_load_the_same_library(tmp_path):
 # ---------------------------------------------------------------------------------------------- fused model kernels
 def _fused_model(seed: int = 0):
     from engines.model import DeepseekV4
-    from engines.presets import tiny_cpu_model_config
+    from engines.presets.models import tiny_cpu_model_config
     from engines.train.hf_model import build_reference_model, native_from_reference
 
     cfg = tiny_cpu_model_config()

@@ -2,7 +2,7 @@
 
 The seed (seeds/dsv4-flash-rl-mi355x.md, "Launch commands") is copied below verbatim; every export, every
 `ray start`, every launcher flag and every --extra-args / --extra-env-vars entry is parsed out of it and
-checked against what engines.launch and engines.train.miles produce. The seed's launcher command only parses on
+checked against what engines.train.miles.launch and engines.train.miles produce. The seed's launcher command only parses on
 Miles' PR-head a8684732f (`launcher_argv`, kept as a documented extra); the job v4rl submits is the `train.py`
 job (tests/test_miles_job.py), and the launch plan shows that job. NUM_GPUS = 0.
 
@@ -17,7 +17,7 @@ import shlex
 
 import pytest
 
-from engines.launch import SEED_RUN, Site, get_run_preset, launch_plan
+from engines.train.miles.launch import SEED_RUN, Site, get_run_preset, launch_plan
 from engines.profiles import get_profile
 from engines.train.miles import MilesJob, build_command, launcher_argv, parse_flags
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from engines.launch import preflight_plan, resolve
+from engines.train.miles.launch import preflight_plan, resolve
 from engines.layout import (CSA, HCA, ClusterSpec, InfeasibleLayout, LayoutInput, ModelShape, ParallelSpec,
                             balanced_stages, dsv4_flash_shape, kv_bytes_per_token, plan_layout, rank_layouts,
                             tiny_cpu_shape, total_params)
@@ -126,17 +126,17 @@ def test_bad_input_is_a_value_error_not_a_rejection():
 
 # ---------------------------------------------------------------------------------- estimates vs. tensors
 def test_model_shapes_match_the_presets():
-    from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
+    from engines.presets.models import dsv4_flash_model_config, tiny_cpu_model_config
 
     assert ModelShape.from_config(dsv4_flash_model_config()) == dsv4_flash_shape()
     assert ModelShape.from_config(tiny_cpu_model_config()) == tiny_cpu_shape(), \
-        "engines/presets.py tiny_cpu_model_config changed: update engines/layout/shape.py tiny_cpu_shape()"
+        "engines/presets/models.py tiny_cpu_model_config changed: update engines/layout/shape.py tiny_cpu_shape()"
 
 
 def test_parameter_estimates_agree_with_the_real_tensors():
     from engines.model import DeepseekV4, ModelConfig
     from engines.model.params import native_param_specs
-    from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
+    from engines.presets.models import dsv4_flash_model_config, tiny_cpu_model_config
 
     def table_count(cfg) -> int:
         return sum(math.prod(s.shape) for s in native_param_specs(cfg).values() if s.kind != "int64")
@@ -173,7 +173,7 @@ def test_balanced_stages_and_ranking():
 
 
 def test_planner_imports_no_torch():
-    code = "import sys, engines.launch, v4rl.cmd_plan; sys.exit('torch' in sys.modules)"
+    code = "import sys, engines.train.miles.launch, v4rl.cmd_plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -221,7 +221,7 @@ def test_an_infeasible_plan_prints_only_why_and_the_fix():
 def test_help_lists_every_preset_and_names_options_in_full():
     """`--help` is laid out wide enough that no option name is cut (rich's default of 80 columns cut
     --prompts-per-step), and `plan --help` lists the presets from the registry."""
-    from engines.run_presets import RUN_PRESETS
+    from engines.presets.runs import RUN_PRESETS
     from v4rl.cli import app
 
     runner = CliRunner()
@@ -237,7 +237,7 @@ def test_help_lists_every_preset_and_names_options_in_full():
 
 def test_plan_a_real_config_json(tmp_path):
     """A DeepSeek-V4-Flash config.json in the shipped (legacy compress_ratios, 43 + MTP) form plans like the preset."""
-    from engines.presets import DSV4_FLASH_COMPRESS_RATIOS
+    from engines.presets.models import DSV4_FLASH_COMPRESS_RATIOS
 
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
               "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "head_dim": 512,

@@ -73,7 +73,7 @@ def test_fresh_start_and_converted_release_checkpoint(tmp_path):
 
 
 def test_resume_flags_reach_the_job_and_the_seed_launcher_command():
-    from engines.launch import SEED_RUN
+    from engines.train.miles.launch import SEED_RUN
     from engines.profiles import get_profile
     from engines.train.miles import Resume, build_command
 
@@ -189,7 +189,7 @@ def test_a_resume_that_starts_from_rollout_zero_fails_loudly(tmp_path):
 def test_miles_run_on_the_cluster(tmp_path):
     """Runs the seed preset through Miles on a live Ray cluster. Needs MILES_DIR, HF_CHECKPOINT, REF_LOAD,
     RAY_ADDRESS (and the cluster the preset names); a few steps: V4RL_MILES_EXTRA='--num-rollout 2'."""
-    from engines.site import Site
+    from engines.profiles.site import Site
 
     needed = ("MILES_DIR", "HF_CHECKPOINT", "REF_LOAD", "RAY_ADDRESS", "MASTER_ADDR", "NCCL_SOCKET_IFNAME",
               "NCCL_IB_HCA")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engines import engine_sources
-from engines.run_presets import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN, resolve
+from engines.upstream import sources as engine_sources
+from engines.presets.runs import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN, resolve
 from engines.train.miles import MilesJob, build_command
 from engines.train.miles.generation import MilesGenerationError, detect_generation, megatron_names_for
 from engines.train.miles.train_args import pipeline_layout

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from engines.dsv4_flash import flash_config
+from engines.presets.flash import flash_config
 from engines.layout import InfeasibleLayout, rank_layouts
-from engines.launch import launch_plan
+from engines.train.miles.launch import launch_plan
 from engines.profiles import get_profile
-from engines.run_presets import SEED_RUN, resolve
-from engines.site import Site, SiteError
+from engines.presets.runs import SEED_RUN, resolve
+from engines.profiles.site import Site, SiteError
 from engines.train.miles import (MilesJob, ModelConfigError, build_command, model_args, parse_flags, prepare_job,
                                  run_job, runtime_env_json, submit_argv)
 from engines.train.miles.model_args import num
@@ -47,7 +47,7 @@ def test_flash_config_is_the_presets_model():
 
     from engines.layout import ModelShape, dsv4_flash_shape
     from engines.model.config import ModelConfig
-    from engines.presets import dsv4_flash_model_config
+    from engines.presets.models import dsv4_flash_model_config
 
     cfg = ModelConfig.from_hf_dict(flash_config())
     assert dataclasses.asdict(cfg) == dataclasses.asdict(dsv4_flash_model_config())
@@ -298,7 +298,7 @@ def test_plan_json_carries_the_miles_job_and_the_pin():
 def test_plain_plan_imports_no_engine_check():
     import subprocess
 
-    code = ("import sys, v4rl.cmd_plan, v4rl.plan_miles, engines.launch; "
+    code = ("import sys, v4rl.cmd_plan, v4rl.plan_miles, engines.train.miles.launch; "
             "bad = [m for m in ('torch', 'engines.train.miles.preflight', 'engines.train.miles.launcher_compare') "
             "if m in sys.modules]; sys.exit(str(bad) if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -49,7 +49,7 @@ def test_megatron_vocab_padding():
 
 
 def test_the_job_passes_a_vocab_divisor_only_where_megatron_would_pad():
-    from engines.run_presets import get_run_preset
+    from engines.presets.runs import get_run_preset
     from engines.train.miles.train_args import padded_vocab, vocab_args, vocab_divisor
 
     assert vocab_divisor(129280, 4) == 64 and vocab_divisor(129280, 8) == 32 and vocab_divisor(500, 1) == 4

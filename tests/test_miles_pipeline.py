@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.site import Site
+from engines.profiles.site import Site
 from engines.train.miles import MilesRunError
 from engines.train.miles.checkpoints import list_checkpoints
 from engines.train.miles.jobs import flag_values
@@ -150,7 +150,7 @@ def test_stop_request_stops_the_ray_job(cluster, tmp_path, monkeypatch):
 
 
 def test_step_zero_by_miles_eval_only_job_and_what_cannot_run(cluster, tmp_path):
-    from engines.site import SiteError
+    from engines.profiles.site import SiteError
     from engines.train.miles import MilesResultsError
 
     assert evaluate_step(cluster, 0)["pass@1"] == pytest.approx(1 / 8)  # a user's evaluation outside a run

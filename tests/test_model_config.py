@@ -14,7 +14,7 @@ from transformers import DeepseekV4Config
 from checkpoints.hf import hf_config_dict, with_release_model_keys
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
 from engines.model.config_format import TRANSFORMERS_ONLY
-from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
+from engines.presets.models import dsv4_flash_model_config, tiny_cpu_model_config
 
 
 def _release() -> ModelConfig:
@@ -55,7 +55,7 @@ def test_a_release_model_is_written_in_the_release_form_only():
 
 
 def test_flash_preset_matches_miles_compress_ratios():
-    from engines.presets import DSV4_FLASH_COMPRESS_RATIOS
+    from engines.presets.models import DSV4_FLASH_COMPRESS_RATIOS
 
     raw = dsv4_flash_model_config().to_hf_dict()
     assert raw["compress_ratios"] == list(DSV4_FLASH_COMPRESS_RATIOS[:43])  # the 44th entry is the MTP layer's

@@ -1,4 +1,4 @@
-"""One definition of a run: every surface's numbers are its preset's (engines/run_presets.py), none its own.
+"""One definition of a run: every surface's numbers are its preset's (engines/presets/runs.py), none its own.
 
 The tiny-cpu preset (TINY_RUN) is what `v4rl train`, the rl-pipeline form (PipelineParams), the tiny-cpu deployment,
 the embedded trainer's TrainRunConfig / LoopConfig and `v4rl plan --preset tiny-cpu` run; the demo's and the
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engines.run_presets import SHORT_RUNS, preset_name, resolve, run_numbers
+from engines.presets.runs import SHORT_RUNS, preset_name, resolve, run_numbers
 from flows.params import FORM_NUMBERS, PRESET_PARAMS, PipelineParams
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Pins the weight formats of engines/quant.py: error bounds, scale rules, bit layouts, transformers parity.
+"""Pins the weight formats of checkpoints/quant.py: error bounds, scale rules, bit layouts, transformers parity.
 
 Bounds checked here:
   FP8 E4M3 (3 mantissa bits): |w - deq| <= 2**-4 * |w| for values in the normal range, and
@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from engines.quant import (
+from checkpoints.quant import (
     FP4_E2M1_VALUES,
     UE8M0,
     dequantize_fp4_e2m1,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import engines.report as report
+import engines.train.report as report
 from rl.passk import mean_pass_at_k, pass_at_k_stderr
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,7 +188,7 @@ def test_no_gpu_or_timeout_warnings_that_do_not_apply(tiny_base):
     """transformers' "FP8 ... requires a GPU or XPU" (the reference dequantizes on purpose) and math-verify's
     "Timeout is disabled" (v4rl turns the signal timeout off and bounds the work itself) stay silent, in a fresh
     process as the demo's workers start."""
-    probe = (f"from engines.score import load_reference; load_reference({str(tiny_base)!r}); "
+    probe = (f"from engines.align.score import load_reference; load_reference({str(tiny_base)!r}); "
              "from rl.rewards import grade; print(grade('so \\\\boxed{85}', '85').reward)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -35,7 +35,7 @@ def test_make_problems_is_deterministic_for_a_seed() -> None:
 
 
 def test_problem_rows_are_dapo_form_and_past_the_hca_rate() -> None:
-    from engines.tokenizer import build_tokenizer
+    from engines.model.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     rows = make_problems(200, seed=0)
@@ -53,7 +53,7 @@ def test_problem_rows_are_dapo_form_and_past_the_hca_rate() -> None:
 
 
 def test_operand_range_and_exclude() -> None:
-    from engines.tokenizer import build_tokenizer
+    from engines.model.tokenizer import build_tokenizer
 
     rows = make_problems(20, seed=1, low=100, high=999)
     for row in rows:

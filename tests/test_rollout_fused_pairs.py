@@ -181,7 +181,7 @@ def test_table_names_every_cache_sglang_load_weights_asserts():
     """Drift guard: the pinned SGLang's load_weights asserts exactly the `cache_*` caches the table names, and
     spells every half and fused suffix the table uses; its wo_a pre-pass pairs `.wo_a.weight` with `.wo_a.scale`
     (a new fused pair in a bumped SGLang fails here)."""
-    from engines.engine_sources import EngineSourceMissing, sglang_paths
+    from engines.upstream.sources import EngineSourceMissing, sglang_paths
 
     try:
         roots = sglang_paths(install=False)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from checkpoints.hf import encode_tensor
-from engines.quant import tensor_checksum
-from engines.engine_sources import sglang_version
+from checkpoints.quant import tensor_checksum
+from engines.upstream.sources import sglang_version
 from engines.rollout.launcher import (DistributedWeightSync, SGLangServerSpec, bucket_metadata, buckets,
                                       build_launch_command, check_sglang_version, init_weight_sync_group, launch_env,
                                       sglang_named_tensors, wire_view)
@@ -184,7 +184,7 @@ def test_sglang_names_and_buckets_keep_storage_bits():
 
 RECEIVER = textwrap.dedent("""
     import json, os, sys
-    from engines.quant import tensor_checksum
+    from checkpoints.quant import tensor_checksum
     from engines.rollout.launcher import init_weight_sync_group, receive_bucket
     port, meta = int(sys.argv[1]), json.loads(sys.argv[2])
     group = init_weight_sync_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2,

@@ -25,7 +25,7 @@ import torch
 from engines.rollout.engine import EngineConfig, RolloutEngine
 from engines.rollout.server import RolloutServer
 from engines.rollout.sglang import GenerateOutput, SGLangClient, SGLangHTTPError, SGLangTimeout
-from engines.score import load_ours, token_logprobs
+from engines.align.score import load_ours, token_logprobs
 
 FP32_TOL = 1e-5
 BF16_MEAN_BOUND, BF16_MAX_BOUND = 0.02, 0.5

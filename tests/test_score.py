@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from engines.score import score
+from engines.align.score import score
 
 
 def _sequences(n: int = 8, seed: int = 0) -> list[dict]:

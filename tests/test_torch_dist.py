@@ -36,7 +36,7 @@ from checkpoints.torch_dist import (
     write_dcp_metadata,
 )
 from engines.model.params import native_param_specs
-from engines.presets import tiny_cpu_model_config
+from engines.presets.models import tiny_cpu_model_config
 
 NUM_GPUS = 0
 SPLIT_KEY = "embedding.word_embeddings.weight"

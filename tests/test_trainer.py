@@ -15,7 +15,7 @@ import torch
 
 from checkpoints.hf import load_hf_checkpoint
 from engines.model import DeepseekV4
-from engines.score import token_logprobs
+from engines.align.score import token_logprobs
 from engines.train.trainer import Sample, Trainer, TrainerConfig, micro_batches, prefix_batches
 from rl.grpo import GRPOConfig, group_advantages
 

@@ -26,11 +26,11 @@ column cuts names such as --prompts-per-step to `--prompts-per-…`. TERMINAL_WI
 if not os.environ.get("TERMINAL_WIDTH"):
     typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
 
-from engines.run_presets import SHORT_RUNS, run_numbers  # noqa: E402
+from engines.presets.runs import SHORT_RUNS, run_numbers  # noqa: E402
 from rl.field_docs import field_default_and_doc  # noqa: E402
 
 TINY = run_numbers("tiny-cpu")
-"""`v4rl train`'s defaults: the tiny-cpu preset's numbers (engines/run_presets.py TINY_RUN), as the flow's form."""
+"""`v4rl train`'s defaults: the tiny-cpu preset's numbers (engines/presets/runs.py TINY_RUN), as the flow's form."""
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
@@ -86,7 +86,7 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
                                    inputs.output_file("--json", json_out))
     if problem:
         _fail(problem)
-    from engines.score import read_sequences, score as run
+    from engines.align.score import read_sequences, score as run
 
     try:
         result = run(model, read_sequences(input), engine=engine, dtype=dtype)
@@ -100,7 +100,7 @@ def score(model: Path = typer.Option(..., help="HF DeepSeek-V4 checkpoint direct
 def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval/, checkpoints/); resumes if present."),
           preset: str = typer.Option("tiny-cpu", help="Only tiny-cpu runs here; clusters go through `v4rl plan --launch`."),
           steps: int = typer.Option(TINY["steps"], min=1, help="GRPO steps of the run (default: the tiny-cpu "
-                                                                 "preset's, engines/run_presets.py, as every "
+                                                                 "preset's, engines/presets/runs.py, as every "
                                                                  "number below)."),
           save_interval: int = typer.Option(SAVE_INTERVAL[0], min=1, help=SAVE_INTERVAL[1]),
           base: Path = typer.Option(None, help="Base HF FP8 checkpoint (default: the committed tiny base)."),
@@ -146,7 +146,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                                             "OUT/wandb/ unless WANDB_MODE=online.")) -> None:
     """GRPO with a rollout correction (token TIS by default) on the embedded engines (rollout server over HTTP,
     transformers trainer), resumable."""
-    from engines.run_presets import preset_name
+    from engines.presets.runs import preset_name
     from v4rl import inputs
 
     try:  # tiny_cpu and tiny-cpu alike; an unknown name gets the closest known one
@@ -226,7 +226,7 @@ def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, trai
 def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo keeps its checkpoint and outputs."),
          seed: int = typer.Option(TINY["seed"]),
          steps: int = typer.Option(SHORT_RUNS["demo"]["steps"], help="GRPO steps of the demo run (its other numbers: "
-                                   "engines/run_presets.py SHORT_RUNS['demo'] over the tiny-cpu preset)."),
+                                   "engines/presets/runs.py SHORT_RUNS['demo'] over the tiny-cpu preset)."),
          fresh: bool = typer.Option(False, help="Bootstrap the base checkpoint anew instead of the committed one."),
          ui: bool = typer.Option(False, "--ui", help="Serve the Prefect UI from the demo's own server, print live "
                                                      "links to the run and keep it up until Ctrl-C.")) -> None:

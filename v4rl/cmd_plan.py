@@ -13,7 +13,7 @@ the Miles job; with `--miles-dir`, run Miles' own argument parser on that job (C
 
 Exit codes: 0 feasible (and, when asked, Miles accepts the job / the launcher comparison has no DIFF), 2
 infeasible or rejected (the flags and values named), 1 bad input. Without `--miles-dir`/`--compare-launcher`
-nothing but the planner runs (well under a second). Library: engines.launch, engines.train.miles.
+nothing but the planner runs (well under a second). Library: engines.train.miles.launch, engines.train.miles.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import typer
 
-from engines.run_presets import RUN_PRESETS
+from engines.presets.runs import RUN_PRESETS
 
 FEASIBLE, INFEASIBLE, BAD_INPUT = 0, 2, 1
 
@@ -98,7 +98,7 @@ def plan(
     sglang_update: str = typer.Option("disk", help="Update kind for --sglang-dir: disk | distributed."),
 ) -> None:
     """Check a parallel layout (Megatron + SGLang rules, per-GPU memory, traffic); exit 0 feasible, 2 not."""
-    from engines.launch import preflight_plan, resolve
+    from engines.train.miles.launch import preflight_plan, resolve
     from engines.layout import rank_layouts
 
     try:
@@ -118,7 +118,7 @@ def plan(
     site_args = dict(head_ip=head_ip, worker_ip=worker_ip, ifname=ifname, ib_hca=ib_hca, ray_address=ray_address,
                      master_addr=master_addr)
     try:
-        from engines.run_presets import preset_name
+        from engines.presets.runs import preset_name
 
         preset = preset_name(preset)  # tiny_cpu and tiny-cpu alike, as everywhere else
         if recompute not in (None, "full", "selective", "none"):

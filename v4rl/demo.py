@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 from engines import TINY_BASE
-from engines.run_presets import SHORT_RUNS
+from engines.presets.runs import SHORT_RUNS
 
 ASSET = TINY_BASE
 QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -52,7 +52,7 @@ class DemoRefused(ValueError):
 
 
 DEMO_RUN = SHORT_RUNS["demo"]
-"""The demo's run: the tiny-cpu preset with fewer steps, prompts and held-out problems (engines/run_presets.py)."""
+"""The demo's run: the tiny-cpu preset with fewer steps, prompts and held-out problems (engines/presets/runs.py)."""
 INTERRUPTED = 130
 """Exit status after Ctrl-C, as a shell reports a process ended by SIGINT."""
 

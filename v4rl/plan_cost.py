@@ -15,7 +15,7 @@ from engines.train.miles.costs import GB, job_costs, run_costs
 
 def cost_json(preset: str, overrides: Mapping[str, Any], *, storage_gb_per_s: float, save_optim: bool) -> dict:
     """The cost of a job start and a save, and the run's totals before/after, as one JSON object."""
-    from engines.run_presets import resolve
+    from engines.presets.runs import resolve
 
     effective, _ = resolve(preset, overrides)
     costs = job_costs(preset, overrides, storage_gb_per_s=storage_gb_per_s, save_optim=save_optim)

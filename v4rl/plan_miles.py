@@ -12,9 +12,9 @@ from typing import Any
 
 import typer
 
-from engines.launch import launch_plan, resolve
+from engines.train.miles.launch import launch_plan, resolve
 from engines.profiles import get_profile
-from engines.site import Site
+from engines.profiles.site import Site
 from engines.train import miles
 
 

@@ -60,7 +60,7 @@ def verify_with_miles(ckpt: str | Path, *, miles_dir: str | Path | None, megatro
     """Run (a)-(c) (module docstring) and return the report; `ok` is every check that ran passing."""
     import torch
 
-    from engines.engine_sources import MILES_GENERATIONS, megatron_tree, miles_tree
+    from engines.upstream.sources import MILES_GENERATIONS, megatron_tree, miles_tree
     from engines.model.config import ModelConfig
     from engines.train.miles.generation import detect_generation, dsv4_impl_args
     from engines.train.miles.model_check import (NUMERIC_STANDINS, checkpoint_keys, compare_keys, probe_argv,
@@ -117,7 +117,7 @@ def verify_with_miles(ckpt: str | Path, *, miles_dir: str | Path | None, megatro
 def _forward_report(path: str, against: Path, cfg, ids) -> dict[str, Any]:
     import torch
 
-    from engines.score import load_ours
+    from engines.align.score import load_ours
     from engines.train.miles.model_compare import compare_logprobs, compare_traces, ours_forward
 
     miles = torch.load(path)
@@ -159,7 +159,7 @@ def plan_model_keys(preset: str, overrides: dict[str, Any], job, *, miles_dir: s
                     megatron_dir: str | None):
     """For `v4rl plan --miles-dir`: Miles' model of that checkout (meta device) vs the checkpoint the job hands
     over (engines/train/miles/model_check.py check_job_model_keys)."""
-    from engines.run_presets import resolve
+    from engines.presets.runs import resolve
     from engines.train.miles.model_check import check_job_model_keys
 
     eff, _ = resolve(preset, overrides)

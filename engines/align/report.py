@@ -81,8 +81,8 @@ class AlignConfig:
 
 
 def _by_length_logprobs(forward, seqs: list[tuple[list[int], list[int]]], vocab: int) -> list[list[float]]:
-    """engines.score.token_logprobs on groups of equal length (no padding reaches transformers' model)."""
-    from engines.score import token_logprobs
+    """engines.align.score.token_logprobs on groups of equal length (no padding reaches transformers' model)."""
+    from engines.align.score import token_logprobs
 
     out: list[list[float]] = [[] for _ in seqs]
     groups: dict[int, list[int]] = {}
@@ -150,7 +150,7 @@ def token_report(rollout_lp: list[list[float]], trainer_lp: list[list[float]], c
 def align(model_dir: str | Path, torch_dist_dir: str | Path, config: AlignConfig | None = None,
           *, log: Callable[[str], None] = lambda msg: None) -> dict:
     """Run the whole check and return the JSON-ready report (module docstring; schema in engines/align)."""
-    from engines.score import load_reference
+    from engines.align.score import load_reference
     from engines.train.trainer import Trainer, TrainerConfig
 
     config = config or AlignConfig()

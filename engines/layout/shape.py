@@ -79,7 +79,7 @@ class ModelShape:
 
 
 def dsv4_flash_shape() -> ModelShape:
-    """DeepSeek-V4-Flash (284B, 13B active): equals engines.presets.dsv4_flash_model_config() (tested)."""
+    """DeepSeek-V4-Flash (284B, 13B active): equals engines.presets.models.dsv4_flash_model_config() (tested)."""
     n = 43
     return ModelShape(vocab_size=129280, hidden_size=4096, num_layers=n, num_heads=64, head_dim=512,
                       q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
@@ -90,7 +90,7 @@ def dsv4_flash_shape() -> ModelShape:
 
 
 def tiny_cpu_shape() -> ModelShape:
-    """The tiny-cpu preset's shape: equals engines.presets.tiny_cpu_model_config() (tested)."""
+    """The tiny-cpu preset's shape: equals engines.presets.models.tiny_cpu_model_config() (tested)."""
     return ModelShape(vocab_size=128, hidden_size=128, num_layers=4, num_heads=4, head_dim=64, q_lora_rank=128,
                       o_groups=2, o_lora_rank=64, layer_types=(SLIDING, CSA, HCA, CSA),
                       mlp_layer_types=(HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE), compress_rates=((CSA, 4), (HCA, 128)),

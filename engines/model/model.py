@@ -1,7 +1,7 @@
 """Our DeepSeek-V4 for inference: full-sequence scoring/prefill and cached one-token decode.
 
 Parameter names are the native checkpoint names, so `model.load_state_dict(native_state)` is the whole
-weight-loading story (dequantization happens in checkpoints/ and engines/quant.py, not here).
+weight-loading story (dequantization happens in checkpoints/ and checkpoints/quant.py, not here).
 
     from engines.model import DeepseekV4, ModelConfig
     model = DeepseekV4(ModelConfig.from_json_file("ckpt/config.json"))

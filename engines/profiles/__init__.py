@@ -3,7 +3,7 @@
 A profile is data: accelerator and memory, the collective library and its environment (the seed's RCCL
 transport and PyTorch flight-recorder settings for MI355X), the runtime backends per model component, the
 FP8 flavour, the container and the Miles launcher. Site-specific values (interface names, IB HCAs, IPs) are
-not in the profile; launch plans and the Miles job take them from an `engines.site.Site`.
+not in the profile; launch plans and the Miles job take them from an `engines.profiles.site.Site`.
 
     from engines.profiles import get_profile
     get_profile("mi355x").hbm_gb   # 288.0

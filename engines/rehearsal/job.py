@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.layout.specs import ParallelSpec
-from engines.run_spec import RunPreset
+from engines.presets.spec import RunPreset
 from engines.train.miles.command import MilesJob, build_command, parse_flags
 from engines.train.miles.jobs import with_flags, without_flags
 

@@ -24,8 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines import engine_sources as src
-from engines.engine_stubs import GPU_ONLY_ROOTS
+from engines.upstream import sources as src
+from engines.upstream.stubs import GPU_ONLY_ROOTS
 from engines.rehearsal.job import DEVICE, RehearsalPaths, Substitution, rehearsal_job
 from engines.rehearsal.metrics import read_metrics
 from engines.rehearsal.ray_session import RAY_ENV, RaySession
@@ -116,7 +116,7 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     if req.stage != "rollout":
         raise RehearsalError(f"--stage {req.stage}: only `rollout` is built so far (issue 28 stages train and full "
                              "are not); use --stage rollout")
-    from engines.run_presets import SEED_RUN
+    from engines.presets.runs import SEED_RUN
 
     preset = preset or SEED_RUN
     miles, megatron, gen = resolve_trees(req)
@@ -144,7 +144,7 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     sglang = src.sglang_paths()
     paths = [BOOTSTRAP, miles, megatron, *sglang, src.REPO]
     env = {**job.env, **RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
-           "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("engine_stubs.py")),
+           "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("stubs.py")),
            "V4RL_STUB_ROOTS": json.dumps(list(STUB_ROOTS)), "V4RL_REHEARSAL_DEVICE": json.dumps(DEVICE),
            "V4RL_REHEARSAL_WORKAROUNDS": ",".join(WORKAROUNDS),
            "V4RL_REHEARSAL_DEVICE_PATCH": str(src.REPO / "engines/train/miles/probes/model_probe.py"), "MILES_HOST_IP": "127.0.0.1",

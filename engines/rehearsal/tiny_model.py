@@ -32,7 +32,7 @@ def tiny_miles_config() -> ModelConfig:
 def make_tiny_checkpoint(out: Path, *, seed: int = 0, weight_format: str = "fp8") -> Path:
     """v4rl's random tiny model saved as an HF checkpoint (`weight_format` as checkpoints.hf writes it)."""
     from checkpoints.hf import save_hf_checkpoint
-    from engines.tokenizer import build_tokenizer
+    from engines.model.tokenizer import build_tokenizer
     from engines.train.hf_model import build_reference_model, native_from_reference
 
     cfg = tiny_miles_config()

@@ -38,7 +38,7 @@ from checkpoints.hf import (
 )
 from engines.model import DeepseekV4, ModelConfig
 from engines.model.params import ParamSpec, native_param_specs
-from engines.quant import dequantize_fp8_blockwise, fp8_to_fnuz, tensor_checksum
+from checkpoints.quant import dequantize_fp8_blockwise, fp8_to_fnuz, tensor_checksum
 
 
 class WeightUpdateError(ValueError):

@@ -29,9 +29,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from checkpoints.hf import save_hf_checkpoint
 from engines.model import DeepseekV4, ModelConfig
-from engines.presets import tiny_cpu_model_config
+from engines.presets.models import tiny_cpu_model_config
 from engines.rollout.sampling import SamplingParams, generate
-from engines.tokenizer import build_tokenizer
+from engines.model.tokenizer import build_tokenizer
 from engines.train.hf_model import build_reference_model, native_from_reference, use_native_mhc
 from engines.train.storage import storage_round_trip
 from rl.math_task import format_answer, make_splits

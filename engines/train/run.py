@@ -35,11 +35,11 @@ from rl.grading import Grader, GraderFailed
 from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
 from engines import TINY_BASE
-from engines.run_presets import run_numbers
+from engines.presets.runs import run_numbers
 
 DEFAULT_BASE = TINY_BASE
 TINY = run_numbers("tiny-cpu")
-"""The tiny-cpu preset's numbers (engines/run_presets.py TINY_RUN): the defaults below and of `v4rl train`."""
+"""The tiny-cpu preset's numbers (engines/presets/runs.py TINY_RUN): the defaults below and of `v4rl train`."""
 LOOP_NUMBERS = ("prompts_per_step", "n_samples", "eval_interval", "eval_samples", "seed", "max_new_tokens",
                 "temperature")
 """The preset numbers the loop (rl.loop.LoopConfig) reads; the others are TrainRunConfig's own fields."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engines import engine_sources
+from engines.upstream import sources as engine_sources
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the suite's helpers (sglang_worker.py) import by name

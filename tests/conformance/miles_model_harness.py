@@ -42,7 +42,7 @@ def tiny_miles_config() -> ModelConfig:
 def make_hf_checkpoint(out: Path, cfg: ModelConfig, *, seed: int = 0) -> Path:
     """v4rl's own random model (transformers reference init), norms and mHC scales varied, saved BF16."""
     from checkpoints.hf import save_hf_checkpoint
-    from engines.tokenizer import build_tokenizer
+    from engines.model.tokenizer import build_tokenizer
     from engines.train.hf_model import build_reference_model, native_from_reference
 
     native = native_from_reference(build_reference_model(cfg, seed=seed))

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from engines.engine_sources import engine_command
+from engines.upstream.sources import engine_command
 
 HERE = Path(__file__).resolve().parent
 MARK = "V4RL-WORKER "

@@ -1,5 +1,5 @@
 """The engines' own modules the conformance suite and the cluster preflight rely on import on CPU, with only
-GPU-only packages stubbed (engines/engine_stubs.py).
+GPU-only packages stubbed (engines/upstream/stubs.py).
 
     .venv/bin/python -m pytest tests/conformance/test_engine_imports.py -q
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from engines.engine_sources import engine_python, sglang_version
-from engines.engine_stubs import GPU_ONLY_ROOTS
+from engines.upstream.sources import engine_python, sglang_version
+from engines.upstream.stubs import GPU_ONLY_ROOTS
 
 SGLANG_MODULES = ["sglang.srt.server_args", "sglang.srt.managers.io_struct", "sglang.srt.entrypoints.http_server",
                   "sglang.srt.configs.model_config", "sglang.srt.models.deepseek_v4",

@@ -27,9 +27,9 @@ from checkpoints.torch_dist import (
     write_common,
     write_dcp_metadata,
 )
-from engines.engine_sources import engine_python
+from engines.upstream.sources import engine_python
 from engines.model.params import native_param_specs
-from engines.presets import tiny_cpu_model_config
+from engines.presets.models import tiny_cpu_model_config
 
 BRIDGE = "miles_plugins/mbridge/deepseekv4.py"
 TABLES = ("_ATTENTION_MAPPING", "_OTHER_MAPPING", "_MLP_MAPPING", "_DIRECT_MAPPING", "_ALPHA_SEGMENTS")

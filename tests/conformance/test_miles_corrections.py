@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from engines.engine_sources import engine_python
+from engines.upstream.sources import engine_python
 from rl.corrections import RolloutCorrection, apply_correction, opsm_keep, train_rollout_kl
 
 MIS_EXAMPLE = "examples/infra_features/train_infer_mismatch_helper/mis.py"

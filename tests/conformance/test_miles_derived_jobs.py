@@ -15,8 +15,8 @@ import dataclasses
 
 def test_every_derived_job_passes_miles_parse_args(miles_tree, megatron_tree, sglang_paths, tmp_path):
     from engines.profiles import get_profile
-    from engines.run_presets import SEED_RUN, layout_input
-    from engines.site import Site
+    from engines.presets.runs import SEED_RUN, layout_input
+    from engines.profiles.site import Site
     from engines.train.miles import MilesJob, build_command
     from engines.train.miles.jobs import align_argv, eval_only_argv, run_argv
     from engines.train.miles.preflight import check_command

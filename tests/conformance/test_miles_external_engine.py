@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
-from engines.engine_sources import engine_python
+from engines.upstream.sources import engine_python
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.server import RolloutServer
 

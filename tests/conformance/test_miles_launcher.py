@@ -21,7 +21,7 @@ import shlex
 import pytest
 
 from engines.profiles import get_profile
-from engines.run_presets import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN
+from engines.presets.runs import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN
 from engines.train.miles import MilesJob, launcher_argv, parse_flags
 from engines.train.miles.launcher_compare import ALLOWED, compare_with_launcher, record_launcher
 

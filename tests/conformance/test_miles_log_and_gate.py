@@ -30,8 +30,8 @@ MILES_ONLY_SGLANG = ("sglang.srt.entrypoints.openai.encoding_dsv4",)
 
 def _run_miles(paths: list[Path], code: str, *, timeout: float = 300) -> str:
     """Miles' own code in a subprocess: `paths` first on sys.path, GPU-only imports stubbed where they fail."""
-    from engines.engine_sources import engine_python
-    from engines.engine_stubs import GPU_ONLY_ROOTS
+    from engines.upstream.sources import engine_python
+    from engines.upstream.stubs import GPU_ONLY_ROOTS
 
     done = engine_python(textwrap.dedent(code), paths, env={"RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1"},
                          cwd=paths[0], timeout=timeout, stub_roots=GPU_ONLY_ROOTS + MILES_ONLY_SGLANG)
@@ -68,7 +68,7 @@ def test_lines_miles_prints_are_read_back_into_the_run_directory(miles_tree, meg
         metrics.log_eval_rollout_data(1, args, {"aime-2024": {"rewards": [1, 1, 0, 0, 1, 1, 1, 0],
                                                               "truncated": [0] * 8}})
     """)
-    from engines.report import write_report
+    from engines.train.report import write_report
     from engines.train.miles import parse_metric_line, record_lines
 
     lines = log.splitlines()

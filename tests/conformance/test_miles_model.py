@@ -50,7 +50,7 @@ def miles_run(request, tmp_path_factory, sglang_paths):
 @pytest.fixture(scope="module")
 def ours(miles_run):
     """v4rl's own model on the same tokens: (fp32 trace, fp32 logits, bf16 trace, bf16 logits)."""
-    from engines.score import load_ours
+    from engines.align.score import load_ours
 
     fp32 = ours_forward(load_ours(miles_run.hf_dir, torch.float32), miles_run.tokens)
     bf16 = ours_forward(load_ours(miles_run.hf_dir, torch.bfloat16), miles_run.tokens)

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from engines.dsv4_flash import flash_config
-from engines.engine_sources import engine_python
+from engines.presets.flash import flash_config
+from engines.upstream.sources import engine_python
 from engines.train.miles import model_args
 
 

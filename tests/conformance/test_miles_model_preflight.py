@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from engines.dsv4_flash import flash_config
+from engines.presets.flash import flash_config
 from engines.train.miles.model_check import check_model_keys
 
 pytestmark = pytest.mark.slow

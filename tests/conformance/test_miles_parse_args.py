@@ -21,8 +21,8 @@ import dataclasses
 
 import pytest
 
-from engines.run_presets import MILES_32GPU_RUN, SEED_RUN
-from engines.site import Site
+from engines.presets.runs import MILES_32GPU_RUN, SEED_RUN
+from engines.profiles.site import Site
 from engines.train.miles import MilesJob
 from engines.train.miles.preflight import check_job
 
@@ -81,7 +81,7 @@ def test_second_generation_refuses_the_first_generations_stage_flags(tmp_path, m
                                                                     sglang_paths):
     """The seed's `--decoder-last-pipeline-num-layers 10` passes Miles' parser but not Megatron's config build."""
     from engines.profiles import get_profile
-    from engines.run_presets import layout_input
+    from engines.presets.runs import layout_input
     from engines.train.miles import build_command
     from engines.train.miles.preflight import check_command
 
@@ -123,7 +123,7 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
 
     from prefect.logging import disable_run_logger
 
-    from engines.dsv4_flash import flash_config
+    from engines.presets.flash import flash_config
     from engines.train.miles.preflight import MilesRejected
     from tasks.preflight import preflight
 
@@ -145,7 +145,7 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
 def test_dp_attention_reaches_sglang_as_attn_dp_size(tmp_path, miles_tree, megatron_tree, sglang_paths):
     """RolloutSpec.engine_dp is DP attention inside one engine (SGLang 0.5.23 --attn-dp-size), never SGLang's
     --dp-size replicas, which its weight-sync routes refuse (conformance B18)."""
-    from engines.launch import apply_overrides
+    from engines.train.miles.launch import apply_overrides
 
     preset, _ = apply_overrides(MILES_32GPU_RUN, {"sglang_dp": 2})
     check = check_job(preset, _job(tmp_path), site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 
-from engines.engine_sources import engine_python
-from engines.engine_stubs import GPU_ONLY_ROOTS
+from engines.upstream.sources import engine_python
+from engines.upstream.stubs import GPU_ONLY_ROOTS
 from rl.datasets import load_prompt_dataset
 from rl.reward_spec import resolve_reward
 

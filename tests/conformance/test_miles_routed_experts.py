@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.engine_sources import engine_python
+from engines.upstream.sources import engine_python
 from engines.rollout.engine import EngineConfig, RolloutEngine
 from engines.rollout.server import RolloutServer
 

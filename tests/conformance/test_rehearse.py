@@ -56,7 +56,7 @@ def test_unbuilt_stage_is_refused():
 
 
 def _job(tmp_path):
-    from engines.run_presets import SEED_RUN
+    from engines.presets.runs import SEED_RUN
 
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -150,7 +150,7 @@ def test_generation_2_job_lays_the_tiny_model_on_one_stage(tmp_path):
     10-layer last stage cannot split 4 layers, so the job is built at one device's parallelism."""
     import dataclasses
 
-    from engines.run_presets import SEED_RUN
+    from engines.presets.runs import SEED_RUN
 
     preset = dataclasses.replace(SEED_RUN, miles=dataclasses.replace(SEED_RUN.miles, generation=2))
     hf = tmp_path / "hf"

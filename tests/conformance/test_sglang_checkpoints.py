@@ -4,7 +4,7 @@ on every checkpoint kind v4rl writes, checked value by value against the model v
 Kinds: the committed tiny base (`v4rl bootstrap`: FP8 linears + FP4 experts, UE8M0), a BF16 checkpoint, the
 weight-update directory a training run hands the rollout engine (FP8 experts, the seed's FP8 repackage),
 `v4rl export` from torch_dist (hf-fp8 and hf-bf16), and the DeepSeek-V4-Flash preset's config.json (shape
-only, no weights). On each, in one subprocess with SGLang's GPU-only imports stubbed (engines/engine_stubs.py):
+only, no weights). On each, in one subprocess with SGLang's GPU-only imports stubbed (engines/upstream/stubs.py):
 `get_config` (SGLang's registry: DeepSeek-V4 loads as a DeepSeek-V3 config, so only release-format keys
 reach it), `ModelConfig` (compress ratios, RoPE dims, window, quantization, FP4-expert flag), `get_quant_config`
 (Fp8Config), `try_detect_fp4_experts`, `get_rope_config` + `precompute_freqs_cis` with the arguments
@@ -12,7 +12,7 @@ reach it), `ModelConfig` (compress ratios, RoPE dims, window, quantization, FP4-
 `DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format` on every stored tensor name. Missing keys
 silently become V3 defaults there, so every resolved value is compared, not only that it loads.
 
-SGLang's source: engines.engine_sources.sglang_paths() (the pin of pyproject's `cluster` extra, cached by
+SGLang's source: engines.upstream.sources.sglang_paths() (the pin of pyproject's `cluster` extra, cached by
 setup.sh), or $V4RL_SGLANG_DIR for another SGLang; skipped with the reason when neither is available.
 
     .venv/bin/python -m pytest tests/conformance/test_sglang_checkpoints.py -q      (~2 min on 2 cores)
@@ -28,10 +28,10 @@ import torch
 
 from checkpoints.hf import hf_config_dict, load_hf_checkpoint, save_hf_checkpoint
 from checkpoints.names import transformers_to_native
-from engines.engine_sources import engine_python
+from engines.upstream.sources import engine_python
 from engines.model.config import ModelConfig
 from engines.model.layers import rope_inv_freq
-from engines.presets import dsv4_flash_model_config, tiny_cpu_model_config
+from engines.presets.models import dsv4_flash_model_config, tiny_cpu_model_config
 from engines import TINY_BASE
 from engines.rollout.launcher import sglang_named_tensors
 

@@ -1,11 +1,11 @@
 """Conformance on SGLang's own DeepSeek-V4 model (C8-C10): SGLang 0.5.23's `DeepseekV4ForCausalLM`, its
 `DefaultModelLoader` and its online-update code (`WeightUpdater`), run on CPU in one subprocess
-(engines/rollout/sglang_model_probe.py; its docstring lists the three stand-ins and why they change no name,
+(engines/checks/sglang_model_probe.py; its docstring lists the three stand-ins and why they change no name,
 shape or value), fed the checkpoints v4rl writes.
 
 (a) first load of every kind v4rl writes (bootstrap base, `v4rl export --format hf-fp8`, the weight-update
     directory the embedded trainer writes in both expert formats, an FP8-expert checkpoint): every tensor consumed,
-    no parameter left at the sentinel, every SGLang parameter equal to v4rl's dequantized value (engines/quant.py).
+    no parameter left at the sentinel, every SGLang parameter equal to v4rl's dequantized value (checkpoints/quant.py).
 (b) updates v4rl or Miles drives (`/update_weights_from_disk`; distributed buckets cut by v4rl's own
     `launcher.buckets`) per SGLang post-load mode, compared parameter by parameter with a fresh load of the same
     files. Where stock SGLang cannot round-trip, the test is an expected failure whose reason is asserted (the
@@ -13,7 +13,7 @@ shape or value), fed the checkpoints v4rl writes.
     and says to update the table).
 
 The default run covers every mode once (141 s measured on 2 cores, < 1 GB); `-m slow` adds the whole matrix
-(both expert formats x both update kinds x every mode). SGLang's source: engines.engine_sources.sglang_paths()
+(both expert formats x both update kinds x every mode). SGLang's source: engines.upstream.sources.sglang_paths()
 or $V4RL_SGLANG_DIR; skipped with the reason when neither is there.
 
     .venv/bin/python -m pytest tests/conformance/test_sglang_model.py -q
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.rollout.sglang_model_check import Case, CaseResult, Mode, Update, run_cases, tiny_checkpoints
+from engines.checks.sglang_model_check import Case, CaseResult, Mode, Update, run_cases, tiny_checkpoints
 from engines import TINY_BASE
 
 ASSET = TINY_BASE
@@ -203,8 +203,8 @@ def _stored_count(path: Path) -> int:
 
 def sglang_value(name: str, held: dict[str, torch.Tensor]) -> torch.Tensor:
     """One SGLang parameter as values (fp32): FP8 linears and FP4 experts dequantized with v4rl's own math
-    (engines/quant.py) from the bytes and scales SGLang holds; everything else as held."""
-    from engines.quant import dequantize_fp4_e2m1, dequantize_fp8_blockwise
+    (checkpoints/quant.py) from the bytes and scales SGLang holds; everything else as held."""
+    from checkpoints.quant import dequantize_fp4_e2m1, dequantize_fp8_blockwise
 
     t = held[name]
     if name.endswith("weight_scale_inv"):
@@ -221,7 +221,7 @@ def sglang_value(name: str, held: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def expected_sglang_values(path: Path) -> dict[str, torch.Tensor]:
-    """What each SGLang parameter must hold, from v4rl's own reader (engines/quant.py dequantization, fp32), fused
+    """What each SGLang parameter must hold, from v4rl's own reader (checkpoints/quant.py dequantization, fp32), fused
     the way SGLang's load_weights fuses: wq_a+wkv -> wqkv_a, compressor wkv+wgate -> wkv_gate, shared experts'
     gate+up -> gate_up_proj, routed experts stacked as w13 (gate, up) and w2; wo_a dequantized (BF16 wo_a path);
     ratio-4 compressors' `ape` re-laid as SGLang re-lays it at every load."""

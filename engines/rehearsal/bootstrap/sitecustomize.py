@@ -1,7 +1,7 @@
 """Loaded by every Python process of a rehearsal (Miles' driver, Ray's workers, Miles' actors) because this folder
 is first on their PYTHONPATH: the CPU stand-ins, injected from outside, so that Miles' files run unmodified.
 
-  - GPU-only imports (sgl_kernel, flashinfer, transformer_engine, ...) resolve to stubs (engines/engine_stubs.py),
+  - GPU-only imports (sgl_kernel, flashinfer, transformer_engine, ...) resolve to stubs (engines/upstream/stubs.py),
     plus `sglang.srt.entrypoints.openai.encoding_dsv4` (Miles' own SGLang branch has it, upstream 0.5.23 lacks it);
   - SGLang 0.5.23's ServerArgs is a msgspec Struct and Miles calls `dataclasses.fields()` on it (Miles' SGLang
     branch has a dataclass): `dataclasses.fields` answers for a Struct with its fields;

@@ -21,12 +21,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.engine_sources import MEGATRON, MEGATRON_GEN2, MILES, MILES_GEN2
+from engines.upstream.sources import MEGATRON, MEGATRON_GEN2, MILES, MILES_GEN2
 from engines.layout import ClusterSpec
 from engines.profiles import HardwareProfile, get_profile
-from engines.run_presets import layout_input
-from engines.run_spec import RunPreset
-from engines.site import Site
+from engines.presets.runs import layout_input
+from engines.presets.spec import RunPreset
+from engines.profiles.site import Site
 from engines.train.miles import train_args as T
 from engines.train.miles.env import job_env
 from engines.train.miles.model_args import model_args, read_config
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from engines.train.miles.checkpoints import Resume
 
 MILES_PIN = {"miles": MILES.short, "megatron_lm": MEGATRON.short, "megatron_lm_branch": "miles-main"}
-"""The first DeepSeek-V4 generation's pins (engines/engine_sources.py holds them): radixark/miles main at
+"""The first DeepSeek-V4 generation's pins (engines/upstream/sources.py holds them): radixark/miles main at
 31f1ca961 with radixark/Megatron-LM miles-main at 2e64d788b (what Miles' Dockerfiles clone)."""
 MILES_PINS = {1: MILES_PIN,
               2: {"miles": MILES_GEN2.short, "megatron_lm": MEGATRON_GEN2.short, "megatron_lm_branch": "dsv4-dual-backend"}}

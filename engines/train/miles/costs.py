@@ -81,7 +81,7 @@ def job_costs(preset_name: str, overrides: Mapping[str, Any] | None = None, *,
               storage_gb_per_s: float = DEFAULT_STORAGE_GB_PER_S, save_optim: bool = True) -> JobCosts:
     """The storage cost of one job start and one save of the preset (with planner overrides)."""
     from engines.layout.shape import embedding_params, layer_params, total_params
-    from engines.run_presets import resolve
+    from engines.presets.runs import resolve
 
     if storage_gb_per_s <= 0:
         raise ValueError(f"--storage-gb-per-s must be > 0 (the site storage bandwidth, GB/s), got {storage_gb_per_s}")

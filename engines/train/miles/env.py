@@ -23,8 +23,8 @@ from engines.rollout.update_settings import wo_a_gemm_env
 
 if TYPE_CHECKING:
     from engines.profiles import HardwareProfile
-    from engines.run_spec import RunPreset
-    from engines.site import Site
+    from engines.presets.spec import RunPreset
+    from engines.profiles.site import Site
     from engines.train.miles.command import MilesJob
 
 DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

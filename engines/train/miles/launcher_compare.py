@@ -21,9 +21,9 @@ from typing import Any
 
 from engines.layout import ClusterSpec
 from engines.profiles import get_profile
-from engines.run_presets import layout_input
-from engines.run_spec import RunPreset
-from engines.site import Site
+from engines.presets.runs import layout_input
+from engines.presets.spec import RunPreset
+from engines.profiles.site import Site
 from engines.train.miles.command import MilesCommand, MilesJob, build_command, parse_flags
 
 PROBE = Path(__file__).with_name("probes") / "record_launcher.py"
@@ -34,7 +34,7 @@ MODEL_NAME = "DeepSeek-V4-Flash-FP8"
 # What v4rl's job may do differently from Miles' launcher, and why (kind, key) -> reason. Keep each reason a
 # pointer to the setting or finding that decides it; a difference not listed here fails the comparison.
 ALLOWED: dict[tuple[str, str], str] = {
-    # named settings (engines/run_spec.py; docs/cluster.md "v4rl settings vs Miles' launcher")
+    # named settings (engines/presets/spec.py; docs/cluster.md "v4rl settings vs Miles' launcher")
     ("argv", "--transformer-impl"): "MilesSettings.fp8_training=False: BF16 actor as in the seed (launcher: FP8)",
     ("argv", "--fp8-format"): "MilesSettings.fp8_training=False",
     ("argv", "--fp8-recipe"): "MilesSettings.fp8_training=False",
@@ -124,7 +124,7 @@ class Comparison:
 def record_launcher(miles_dir: Path, argv: list[str], env: dict[str, str], *, launcher: str = LAUNCHER,
                     run_id: str = "v4rl-compare", timeout: float = 600.0) -> dict[str, Any]:
     """Miles' launcher `argv` recorded in a subprocess (see probes/record_launcher.py for the answer's keys)."""
-    from engines.engine_sources import engine_error, engine_python, launcher_cli_paths
+    from engines.upstream.sources import engine_error, engine_python, launcher_cli_paths
 
     with tempfile.TemporaryDirectory(prefix="v4rl-launcher-record-") as tmp:
         request = Path(tmp) / "request.json"
@@ -176,7 +176,7 @@ def compare_with_launcher(preset: RunPreset, *, miles_dir: str | Path | None = N
     """Record Miles' launcher for the preset's layout and compare it with v4rl's job (see the module docstring)."""
     import dataclasses
 
-    from engines.engine_sources import MILES_GENERATIONS, miles_tree
+    from engines.upstream.sources import MILES_GENERATIONS, miles_tree
     from engines.train.miles.generation import detect_generation
 
     tree = miles_tree(miles_dir, MILES_GENERATIONS.get(preset.miles.generation, MILES_GENERATIONS[1])[0])

@@ -6,7 +6,7 @@ re-shaped checkpoint gets matching flags. For the real Flash config they equal M
 (tests/conformance/test_miles_model_args.py runs Miles' own `load_model_args`), and Miles' `parse_args`
 cross-checks hidden size, heads, layers, MoE width, norm epsilon and RoPE base against the same config.
 
-    from engines.dsv4_flash import flash_config
+    from engines.presets.flash import flash_config
     model_args(flash_config())[:4]   # ['--disable-bias-linear', '--num-layers', '43', '--hidden-size']
 
 One table (`_FROM_CONFIG`): Megatron flag -> the config.json keys it reads (first present wins) and how.

@@ -1,6 +1,6 @@
 """Miles' OWN DeepSeek-V4 model against v4rl's checkpoint: key sets, loading, and one forward, on CPU.
 
-Runs engines/train/miles/probes/model_probe.py in a subprocess (engines.engine_sources.engine_python) with
+Runs engines/train/miles/probes/model_probe.py in a subprocess (engines.upstream.sources.engine_python) with
 Megatron-LM first on sys.path, then Miles and SGLang's source, `probes/standins/` (TransformerEngine's module
 structure) ahead of them, GPU-only modules stubbed, and torch.cuda answering as the target accelerator. The
 probe parses the job's model flags with Miles' own `parse_args`, builds the model through Miles' model provider
@@ -79,7 +79,7 @@ class ProbeResult:
         """Why the forward stage failed after keys and loads succeeded ('' when it ran)."""
         if self.raw.get("ok"):
             return ""
-        from engines.engine_sources import engine_error
+        from engines.upstream.sources import engine_error
 
         return f"{self.raw.get('stage')}: {engine_error(self.stderr, exception=self.raw.get('error'))}"
 
@@ -108,8 +108,8 @@ def run_probe(request: Mapping[str, Any], *, miles_dir: str | Path | None = None
               megatron_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
               device: str = "mi355x", timeout: float = 1800.0) -> ProbeResult:
     """Run the model probe on `request` (model_probe.py's keys; `device` fills its accelerator description)."""
-    from engines.engine_sources import engine_error, engine_python, megatron_tree, miles_tree, sglang_paths
-    from engines.engine_stubs import GPU_ONLY_ROOTS
+    from engines.upstream.sources import engine_error, engine_python, megatron_tree, miles_tree, sglang_paths
+    from engines.upstream.stubs import GPU_ONLY_ROOTS
     from engines.train.miles.preflight import DEVICES, MILES_STUB_ROOTS
 
     paths = [STANDINS, megatron_tree(megatron_dir), miles_tree(miles_dir), *sglang_paths()]
@@ -144,7 +144,7 @@ def tile_kernels_mhc_reference() -> Path:
     import sys
     import zipfile
 
-    from engines.engine_sources import EngineSourceMissing, cache_root
+    from engines.upstream.sources import EngineSourceMissing, cache_root
 
     home = cache_root() / TILE_KERNELS.replace("==", "-")
     target = home / "tile_kernels" / "torch" / "mhc.py"
@@ -278,7 +278,7 @@ def check_model_keys(config: Mapping[str, Any], *, ckpt: str | Path | None = Non
     with `ckpt` (an existing torch_dist dir) or, when there is none here, with what v4rl's converter writes for the
     config under that Miles' names. Global shapes are those of a single-rank build (keys do not depend on the
     parallel split; the vocab is padded to --make-vocab-size-divisible-by x TP, reported in vocab_note)."""
-    from engines.engine_sources import MILES_GENERATIONS, megatron_tree, miles_tree
+    from engines.upstream.sources import MILES_GENERATIONS, megatron_tree, miles_tree
     from engines.model.config import ModelConfig
     from engines.train.miles.generation import detect_generation, dsv4_impl_args
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.site import Site
+from engines.profiles.site import Site
 from engines.train.miles.checkpoints import list_checkpoints
 from engines.train.miles.command import MilesJob
 from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, run_argv
@@ -47,7 +47,7 @@ class ClusterRun:
     """One rl-pipeline run on the cluster: the Miles job and where its results go."""
 
     preset: str
-    """Run preset name (engines.run_presets)."""
+    """Run preset name (engines.presets.runs)."""
     job: MilesJob
     """Paths of the Miles job; save_dir is kept across flow runs, which is what makes them resume."""
     site: Site
@@ -57,7 +57,7 @@ class ClusterRun:
     eval_interval: int
     """Miles evaluates every this many rollouts (--eval-interval), and before training."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """Planner overrides of the preset (engines.run_presets OVERRIDES keys)."""
+    """Planner overrides of the preset (engines.presets.runs OVERRIDES keys)."""
     align_sglang_url: str | None = None
     """An SGLang server serving hf_checkpoint for the alignment gate; None: launch one here (a GPU host)."""
     idle_timeout_s: float = 3600.0
@@ -233,7 +233,7 @@ class _sglang_server:
 
         from engines.profiles import get_profile
         from engines.rollout.launcher import SGLangServerSpec, launch_sglang_servers
-        from engines.run_presets import resolve
+        from engines.presets.runs import resolve
 
         preset, _ = resolve(self.run.preset, self.run.overrides)
         if not ray.is_initialized():

@@ -15,12 +15,12 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
-from engines.engine_sources import MILES_SEED_PR
+from engines.upstream.sources import MILES_SEED_PR
 from engines.train.miles.train_args import megatron_parallel_args
 
 if TYPE_CHECKING:
     from engines.profiles import HardwareProfile
-    from engines.run_spec import RunPreset
+    from engines.presets.spec import RunPreset
     from engines.train.miles.checkpoints import Resume
     from engines.train.miles.command import MilesJob
 

@@ -1,6 +1,6 @@
 """Preflight against the user's Miles: run Miles' own `parse_args` on the exact argv v4rl will submit, on CPU.
 
-In a subprocess (engines.engine_sources.engine_python): Megatron-LM (`--megatron-dir` / $V4RL_MEGATRON_DIR /
+In a subprocess (engines.upstream.sources.engine_python): Megatron-LM (`--megatron-dir` / $V4RL_MEGATRON_DIR /
 the pinned tarball) first on sys.path so its `megatron/` wins over the pip megatron-core, then Miles
 (`--miles-dir` / $V4RL_MILES_DIR / the pinned tarball) and SGLang 0.5.23's source with its extra pure-Python
 packages (sglang-router, polars, ...); GPU-only imports are stubbed only where their import fails, plus
@@ -27,15 +27,15 @@ from typing import Any
 
 from engines.layout import ClusterSpec
 from engines.profiles import HardwareProfile, get_profile
-from engines.run_presets import layout_input
-from engines.run_spec import RunPreset
-from engines.site import Site
+from engines.presets.runs import layout_input
+from engines.presets.spec import RunPreset
+from engines.profiles.site import Site
 from engines.train.miles.command import MilesCommand, MilesJob, build_command
 from engines.train.miles.train_args import data_path
 
 PROBE = Path(__file__).with_name("probes") / "parse_args_probe.py"
 MILES_STUB_ROOTS = ("megatron.bridge", "mbridge", "amdsmi", "mooncake", "sglang.srt.entrypoints.openai.encoding_dsv4")
-"""Beyond engines.engine_stubs.GPU_ONLY_ROOTS: Megatron-Bridge and mbridge (pinned git installs in Miles' image),
+"""Beyond engines.upstream.stubs.GPU_ONLY_ROOTS: Megatron-Bridge and mbridge (pinned git installs in Miles' image),
 AMD's SMI bindings, Mooncake, and the DeepSeek-V4 chat encoder of Miles' SGLang branch."""
 DEVICES: dict[str, dict[str, Any]] = {  # what torch.cuda reports on the target accelerator
     "mi355x": {"name": "AMD Instinct MI355X", "capability": [9, 5], "total_memory": 288 * 10**9},
@@ -172,10 +172,10 @@ def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cl
                   timeout: float = 900.0) -> MilesCheck:
     """Run Miles' parse_args on `command` (built for `preset`/`job`) and compare; see the module docstring.
 
-    Raises engines.engine_sources.EngineSourceMissing when Miles, Megatron-LM or SGLang cannot be found.
+    Raises engines.upstream.sources.EngineSourceMissing when Miles, Megatron-LM or SGLang cannot be found.
     """
-    from engines.engine_sources import MILES_GENERATIONS, engine_python, megatron_tree, miles_tree, sglang_paths
-    from engines.engine_stubs import GPU_ONLY_ROOTS
+    from engines.upstream.sources import MILES_GENERATIONS, engine_python, megatron_tree, miles_tree, sglang_paths
+    from engines.upstream.stubs import GPU_ONLY_ROOTS
     from engines.train.miles.generation import detect_generation
 
     pins = MILES_GENERATIONS.get(preset.miles.generation, MILES_GENERATIONS[1])  # the pinned trees of its generation
@@ -239,7 +239,7 @@ def _local_hf_checkpoint(argv: list[str], preset: RunPreset, job: MilesJob, tmp:
 
 def _answer(done) -> dict[str, Any]:
     """The probe's answer, its error one line with Miles' own last words (its stderr: argparse, asserts)."""
-    from engines.engine_sources import engine_error
+    from engines.upstream.sources import engine_error
     from engines.train.miles.probes.parse_args_probe import MARKER
 
     out = done.stdout or ""

@@ -1,6 +1,6 @@
 """Miles' records -> the run directory tiny-cpu writes: `metrics.jsonl` rows and `eval/step_XXXXXX.json`.
 
-So the report, its plots and the nightly verdict (engines/report.py, rl/verdict.py) read a cluster run exactly
+So the report, its plots and the nightly verdict (engines/train/report.py, rl/verdict.py) read a cluster run exactly
 as a tiny-cpu one. Steps count trained rollouts, as tiny-cpu's do:
 
   - row `step = R + 1` holds rollout R: the rollout side's `perf R` (rollout/response_len/*,

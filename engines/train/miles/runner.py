@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.site import Site
+from engines.profiles.site import Site
 from engines.train.miles.checkpoints import prepare_resume
 from engines.train.miles.command import MilesCommand, MilesJob, build_command
 from engines.train.miles.metrics import RAY_JOB_SUBMITTED, MetricRecord, parse_metric_line
@@ -219,7 +219,7 @@ def prepare_job(preset_name: str, job: MilesJob, *, site: Site, overrides: Mappi
     """
     from engines.layout import InfeasibleLayout, plan_layout
     from engines.profiles import get_profile
-    from engines.run_presets import resolve
+    from engines.presets.runs import resolve
 
     preset, inp = resolve(preset_name, overrides)
     plan = plan_layout(inp)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from engines.site import Site
+from engines.profiles.site import Site
 from engines.train.miles.command import MilesCommand
 
 PYTHON = "python3"
@@ -29,7 +29,7 @@ def submit_argv(command: MilesCommand, site: Site) -> list[str]:
     """The `ray job submit` argv for the command on the site's cluster (SiteError when RAY_ADDRESS is unknown)."""
     address = site.resolved_ray_address
     if not address:
-        from engines.site import SiteError
+        from engines.profiles.site import SiteError
 
         raise SiteError("ray_address (RAY_ADDRESS) is unset: the Ray Jobs API of the existing cluster, e.g. "
                         "http://10.0.0.1:8265; set it in the deployment's parameters; nothing was submitted")

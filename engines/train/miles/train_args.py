@@ -1,6 +1,6 @@
 """The non-model flags of Miles' `train.py`, section by section, in the order Miles' launcher writes them.
 
-Each function maps one part of the run preset (engines/run_spec.py) to Miles/Megatron/SGLang flags; every
+Each function maps one part of the run preset (engines/presets/spec.py) to Miles/Megatron/SGLang flags; every
 value comes from the preset, the planner's cluster, the profile or the job's paths, so any layout the planner
 accepts gets a complete argv (the seed's TP1 PP4 EP4 on 2 + 2 nodes included, which Miles' own launcher has
 no preset for). Constants are Miles' launcher's (scripts/amd/run_deepseek_v4.py at 31f1ca961, the same file at
@@ -17,7 +17,7 @@ from engines.train.miles.model_args import num
 if TYPE_CHECKING:
     from engines.layout import ClusterSpec
     from engines.profiles import HardwareProfile
-    from engines.run_spec import RunPreset
+    from engines.presets.spec import RunPreset
     from engines.train.miles.command import MilesJob
 
 DYNAMIC_SAMPLING_FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"

@@ -1,6 +1,6 @@
 """Builds Miles' OWN DeepSeek-V4 Megatron model on CPU (or the meta device) and reports on it. Never imported by v4rl.
 
-The body of a subprocess started by engines/train/miles/model_check.py (engines.engine_sources.engine_python):
+The body of a subprocess started by engines/train/miles/model_check.py (engines.upstream.sources.engine_python):
 Megatron-LM first on sys.path, then Miles and SGLang's source, with `probes/standins/` (TransformerEngine's
 module structure) ahead of them and GPU-only modules stubbed where their import fails. It runs, in order:
 

@@ -123,7 +123,7 @@ def probe(request: dict) -> dict:
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         answer = probe(json.load(f))
-    stubs = sys.modules.get("engine_stubs")  # loaded by engines.engine_sources.engine_python
+    stubs = sys.modules.get("engine_stubs")  # loaded by engines.upstream.sources.engine_python
     answer["stubbed"] = sorted(set(getattr(stubs, "STUBBED", [])))
     print(MARKER)
     print(json.dumps(answer))

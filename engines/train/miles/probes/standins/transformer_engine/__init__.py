@@ -8,7 +8,7 @@ serializes FP8 metadata into it; with no FP8 recipe it is an empty uint8 tensor,
 Why it keeps values: the forward of each is the math TE computes for BF16 (y = x W^T + b with fp32 accumulation,
 RMSNorm in fp32 cast back to the input dtype); no FP8. The version claims 2.8.0 so Megatron takes the paths of a
 current TE. Anything else Megatron touches at import time (DotProductAttention, ops, router, ...) resolves to
-engines/engine_stubs.py stubs: the DeepSeek-V4 model never instantiates them.
+engines/upstream/stubs.py stubs: the DeepSeek-V4 model never instantiates them.
 """
 
 __version__ = "2.8.0"

@@ -2,7 +2,7 @@
 
 Pure data, no I/O and no torch: the planner (engines/layout), the launch plan (engines/launch) and the Miles job
 builder (engines/train/miles) all read a preset, so it lives below all three and imports none of them. Named
-presets are in `engines.run_presets`.
+presets are in `engines.presets.runs`.
 
 Where v4rl deliberately differs from Miles' own launcher (`scripts/amd/run_deepseek_v4.py` at the pinned
 commit), the difference is a field of `MilesSettings` with its reason; docs/cluster.md lists them in the table

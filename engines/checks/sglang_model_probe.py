@@ -1,6 +1,6 @@
 """Runs INSIDE a subprocess with SGLang's source on sys.path: SGLang's own DeepSeek-V4 model, its loader and its
 online-update code on CPU, on checkpoints v4rl wrote. Never imported by v4rl (only this file's path is handed to
-engines.engine_sources.engine_python); only the standard library, torch, safetensors and SGLang are imported.
+engines.upstream.sources.engine_python); only the standard library, torch, safetensors and SGLang are imported.
 
 What it runs, per case (one JSON spec in argv[1], one `PROBE <json>` line on stdout):
   build        `DefaultModelLoader.initialize_model_for_startup` (SGLang's `DeepseekV4ForCausalLM`, single rank,
@@ -28,7 +28,7 @@ Stand-ins, each changing no name, shape or value (they only answer what a CPU ca
     `get_device_sm()` answers 100, and DeepGEMM's `get_mn_major_tma_aligned_packed_ue8m0_tensor` is SGLang's own
     torch port of it (`fp8_utils._get_mn_major_tma_aligned_packed_ue8m0_tensor_torch_impl`).
 
-    python -c <engine bootstrap> sglang_model_probe.py '{"cases": [...]}'   (engines/rollout/sglang_model_check.py)
+    python -c <engine bootstrap> sglang_model_probe.py '{"cases": [...]}'   (engines/checks/sglang_model_check.py)
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def mode(spec: dict[str, Any]):
             put(module, "ENABLE_JIT_DEEPGEMM", True)
             put(module, "DEEPGEMM_SCALE_UE8M0", True)
         put(loader_utils, "get_device_sm", lambda: 100)
-        import deep_gemm.utils as dg_utils  # stub modules (engines/engine_stubs.py): what SGLang calls, from math
+        import deep_gemm.utils as dg_utils  # stub modules (engines/upstream/stubs.py): what SGLang calls, from math
         import deep_gemm.utils.layout as layout
 
         put(dg_utils, "align", _align)

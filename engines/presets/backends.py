@@ -37,6 +37,6 @@ MILES = PipelineBackend("miles", ("convert", "verify"))
 def pipeline_backend(preset_name: str) -> PipelineBackend:
     """EMBEDDED for a preset on a CPU profile, MILES for one on GPUs (ValueError for an unknown preset)."""
     from engines.profiles import get_profile
-    from engines.run_presets import get_run_preset
+    from engines.presets.runs import get_run_preset
 
     return EMBEDDED if get_profile(get_run_preset(preset_name).profile).vendor == "cpu" else MILES

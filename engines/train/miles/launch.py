@@ -3,8 +3,8 @@
 `launch_plan` lists the exact processes per node: Ray head/workers, the `ray job submit` of the Miles job v4rl
 builds (its whole `train.py` argv and runtime env), every Megatron rank with its grid coordinates, parallel
 flags and environment, every SGLang engine with its GPUs and the engine flags of that same argv, and the Ray
-placement group Miles builds. Presets, overrides and `preflight_plan` live in engines/run_presets.py and the
-`Site` in engines/site.py (both below this module and engines/train/miles, which imports neither this module).
+placement group Miles builds. Presets, overrides and `preflight_plan` live in engines/presets/runs.py and the
+`Site` in engines/profiles/site.py (both below this module and engines/train/miles, which imports neither this module).
 
     plan = preflight_plan("dsv4-flash-mi355x", {"pp": 4, "pp_last": 10})   # raises InfeasibleLayout if not
     print(json.dumps(launch_plan("dsv4-flash-mi355x", site=Site(head_ip="10.0.0.1")), indent=1))
@@ -17,10 +17,10 @@ from typing import Any
 
 from engines.layout import InfeasibleLayout, plan_layout
 from engines.profiles import get_profile
-from engines.run_presets import (MILES_1NODE_RUN, MILES_32GPU_RUN, OVERRIDES, RUN_PRESETS, SEED_RUN, TINY_RUN,
+from engines.presets.runs import (MILES_1NODE_RUN, MILES_32GPU_RUN, OVERRIDES, RUN_PRESETS, SEED_RUN, TINY_RUN,
                                  apply_overrides, get_run_preset, layout_input, preflight_plan, resolve)
-from engines.run_spec import RunPreset
-from engines.site import Site
+from engines.presets.spec import RunPreset
+from engines.profiles.site import Site
 from engines.train import miles
 
 __all__ = ["InfeasibleLayout", "MILES_1NODE_RUN", "MILES_32GPU_RUN", "OVERRIDES", "RUN_PRESETS", "RunPreset",

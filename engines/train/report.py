@@ -3,7 +3,7 @@ logprob difference per step against the run's mismatch threshold, held-out pass@
 standard error over the problems as error bars) and a markdown summary that embeds them. Numbers too small for
 four decimals (a drift slope and its standard error) are written in scientific notation, never as 0.0000.
 
-    python -c "from engines.report import write_report; print(write_report('runs/grpo'))"
+    python -c "from engines.train.report import write_report; print(write_report('runs/grpo'))"
 """
 
 from __future__ import annotations

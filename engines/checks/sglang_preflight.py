@@ -1,6 +1,6 @@
 """Preflight on the user's SGLang: its own DeepSeek-V4 model, built on CPU, takes a first load and one online update
 of the run's kind on a tiny model of the run's format, compared parameter by parameter with a fresh load
-(engines/rollout/sglang_model_check.py; about 3-5 min on 2 cores, < 1.5 GB). Used by `v4rl plan --sglang-dir`
+(engines/checks/sglang_model_check.py; about 3-5 min on 2 cores, < 1.5 GB). Used by `v4rl plan --sglang-dir`
 (v4rl/plan_sglang.py) and by the rl-pipeline's preflight on a cluster preset (tasks/preflight.py,
 `sglang_check_dir`).
 
@@ -52,8 +52,8 @@ class SGLangModelCheck:
 def check(preset: str, overrides: dict[str, Any], sglang_dir: str, *, update_kind: Literal["disk", "distributed"]
           = "disk", workdir: Path | None = None) -> SGLangModelCheck:
     """Run the user's SGLang model in the job's own mode (and the others, reported). RuntimeError when it cannot run."""
-    from engines.launch import resolve
-    from engines.rollout.sglang_model_check import Case, Mode, Update, run_cases, tiny_checkpoints
+    from engines.train.miles.launch import resolve
+    from engines.checks.sglang_model_check import Case, Mode, Update, run_cases, tiny_checkpoints
 
     paths = sglang_source(sglang_dir)
     eff, _ = resolve(preset, overrides)
@@ -92,7 +92,7 @@ def job_sglang_env(eff) -> tuple[dict[str, str], str]:
     profile = get_profile(eff.profile)
     config = eff.hf_config() if eff.hf_config is not None else None
     if eff.profile != "cpu":
-        from engines.site import Site
+        from engines.profiles.site import Site
         from engines.train.miles.command import MilesJob
         from engines.train.miles.env import job_env
 
@@ -110,7 +110,7 @@ def job_sglang_env(eff) -> tuple[dict[str, str], str]:
 def sglang_source(sglang_dir: str) -> list[Path]:
     """sys.path for the user's SGLang (the directory holding `sglang/`), with the pinned cache's pure-Python
     dependencies behind it when they are there (the user's own environment's packages otherwise)."""
-    from engines.engine_sources import EngineSourceMissing, sglang_paths
+    from engines.upstream.sources import EngineSourceMissing, sglang_paths
 
     path = Path(sglang_dir).expanduser().resolve()
     if not (path / "sglang" / "srt" / "models" / "deepseek_v4.py").is_file():

@@ -12,11 +12,11 @@ on CPU in a subprocess (never imported by v4rl's library code, never copied into
     else the pinned tarball of `../shared/vendor/` (`$V4RL_VENDOR_DIR`) extracted into the same cache.
 
 `engine_python` runs code in a subprocess with those trees on `sys.path` and the GPU-only imports stubbed
-(engines/engine_stubs.py). Everything that is missing raises `EngineSourceMissing` saying what to set.
+(engines/upstream/stubs.py). Everything that is missing raises `EngineSourceMissing` saying what to set.
 `engine_error` turns a failed run's output into the engine's own last error lines (argparse's `prog: error: ...`,
 the assertion or exception text), one line, never a traceback: what every probe's caller reports.
 
-    from engines.engine_sources import engine_python, miles_tree, sglang_paths
+    from engines.upstream.sources import engine_python, miles_tree, sglang_paths
     done = engine_python("import sglang.srt.server_args as s; print(s.ServerArgs.__name__)", sglang_paths())
     print(done.stdout)        # ServerArgs
 """
@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _PYPROJECT = REPO / "pyproject.toml"
 
 
@@ -194,11 +194,11 @@ def sglang_paths(install: bool = True) -> list[Path]:
     home = cache_root() / f"sglang-{version}-py{sys.version_info.major}{sys.version_info.minor}"
     _build_once(home, lambda: _install_sglang(version, home), install=install,
                 missing=f"SGLang {version} is not in {home}; run once with network access "
-                        "(engines.engine_sources.sglang_paths()) or set $V4RL_SGLANG_DIR")
+                        "(engines.upstream.sources.sglang_paths()) or set $V4RL_SGLANG_DIR")
     if _missing_deps(home):  # SGLANG_CPU_DEPS grew since this cache was built
         if not install:
             raise EngineSourceMissing(f"the SGLang {version} cache in {home} lacks {', '.join(_missing_deps(home))}; "
-                                      "run once with network access (engines.engine_sources.sglang_paths())")
+                                      "run once with network access (engines.upstream.sources.sglang_paths())")
         with _locked(home):
             if _missing_deps(home):
                 _top_up_deps(home)
@@ -288,7 +288,7 @@ def launcher_cli_paths(install: bool = True) -> list[Path]:
 
     _build_once(home, build, install=install,
                 missing=f"{' '.join(LAUNCHER_CLI)} are not in {home}; run once with access to the package registry "
-                        "(engines.engine_sources.launcher_cli_paths())")
+                        "(engines.upstream.sources.launcher_cli_paths())")
     return [home]
 
 
@@ -347,7 +347,7 @@ def engine_command(code: str, paths: Sequence[str | Path], *, args: Sequence[str
     """The argv and environment `engine_python` runs, for a caller that needs a long-lived process (Popen):
     `code` as `python -c` with `paths` first on sys.path and the GPU-only stubs active."""
     child_env = {**os.environ, **(env or {}), "V4RL_ENGINE_PATHS": json.dumps([str(p) for p in paths]),
-                 "V4RL_ENGINE_STUBS": str(Path(__file__).with_name("engine_stubs.py")),
+                 "V4RL_ENGINE_STUBS": str(Path(__file__).with_name("stubs.py")),
                  "V4RL_STUB_ROOTS": json.dumps(list(stub_roots) if stub_roots is not None else None)}
     return [sys.executable, "-c", _BOOTSTRAP + code, *args], child_env
 

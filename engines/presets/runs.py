@@ -1,6 +1,6 @@
 """Named run presets, CLI-style overrides, and the preflight planner entry point.
 
-    from engines.run_presets import preflight_plan, resolve
+    from engines.presets.runs import preflight_plan, resolve
     plan = preflight_plan("dsv4-flash-mi355x", {"pp": 4, "pp_last": 10})   # raises InfeasibleLayout if not
     preset, layout_input = resolve("dsv4-flash-mi355x", {"num_rollout": 20})
 
@@ -19,11 +19,11 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engines.dsv4_flash import flash_config
+from engines.presets.flash import flash_config
 from engines.layout import (ClusterSpec, InfeasibleLayout, LayoutInput, ModelShape, ParallelSpec, Plan,
                             RolloutSpec, TrainSpec, dsv4_flash_shape, plan_layout, tiny_cpu_shape)
 from engines.profiles import HardwareProfile, get_profile
-from engines.run_spec import AlgorithmSpec, DataSpec, EvalSpec, MilesSettings, RunPreset
+from engines.presets.spec import AlgorithmSpec, DataSpec, EvalSpec, MilesSettings, RunPreset
 
 SEED_RUN = RunPreset(
     name="dsv4-flash-mi355x",

@@ -24,9 +24,9 @@ Why these numbers:
 
 from __future__ import annotations
 
-from engines.dsv4_flash import COMPRESS_RATIOS, flash_config
+from engines.presets.flash import COMPRESS_RATIOS, flash_config
 from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
-from engines.tokenizer import VOCAB_SIZE
+from engines.model.tokenizer import VOCAB_SIZE
 
 
 def tiny_cpu_model_config() -> ModelConfig:
@@ -71,7 +71,7 @@ DSV4_FLASH_COMPRESS_RATIOS = tuple(COMPRESS_RATIOS)
 
 def dsv4_flash_model_config() -> ModelConfig:
     """DeepSeek-V4-Flash (284B total, 13B active): the model the `dsv4-flash-mi355x` run trains, read from its
-    release config.json (engines/dsv4_flash.py, the one place its values live).
+    release config.json (engines/presets/flash.py, the one place its values live).
 
     43 layers (2 sliding-only, 21 CSA at rate 4, 20 HCA at rate 128: Miles' compress ratios without the MTP
     entry), hidden 4096, 64 heads of 512 sharing one KV head, q_lora 1024, 8 output groups of rank 1024,

@@ -1,7 +1,7 @@
 """Import stubs for GPU-only modules, so that a real engine's pure-Python code imports on a CPU machine.
 
 Used inside the subprocesses that run SGLang's, Miles' or Megatron-LM's own code for conformance checks and
-the cluster preflight (engines/engine_sources.py `engine_python`); never by v4rl's library code. Only this
+the cluster preflight (engines/upstream/sources.py `engine_python`); never by v4rl's library code. Only this
 module and the standard library are imported here, so it loads before torch or the engine.
 
 A stub is made for a module only when (a) its name is at or under one of the given roots and (b) no real
@@ -9,7 +9,7 @@ finder found it: the finder sits at the END of `sys.meta_path`, so every module 
 for real, and an engine change that needs a new GPU-only module shows up as an ImportError, not silently.
 `STUBBED` records every stubbed name (the conformance suite prints it).
 
-    import engines.engine_stubs as stubs
+    import engines.upstream.stubs as stubs
     stubs.activate(["sgl_kernel", "flashinfer"])
     import sglang.srt.server_args           # imports; sgl_kernel.* resolve to stubs
     print(stubs.STUBBED)
@@ -57,7 +57,7 @@ class _StubType(type):
         if len(args) == 1 and not kwargs and callable(args[0]):
             return args[0]
         if not args and not kwargs:
-            raise StubCalled(f"{cls.__qualname__}() is a stub of a GPU-only module (engines/engine_stubs.py)")
+            raise StubCalled(f"{cls.__qualname__}() is a stub of a GPU-only module (engines/upstream/stubs.py)")
         return _stub_class(f"{cls.__qualname__}()")
 
     def __getitem__(cls, item):

@@ -1,7 +1,7 @@
 """SGLang's own DeepSeek-V4 model on CPU, fed what v4rl writes: first loads and online updates, per post-load mode.
 
-The host side of engines/rollout/sglang_model_probe.py (which runs in a subprocess with SGLang's source on
-sys.path, engines.engine_sources.engine_python). Here: the cases (checkpoint, SGLang mode, update kind), the
+The host side of engines/checks/sglang_model_probe.py (which runs in a subprocess with SGLang's source on
+sys.path, engines.upstream.sources.engine_python). Here: the cases (checkpoint, SGLang mode, update kind), the
 distributed buckets cut by v4rl's own `launcher.buckets` (what `DistributedWeightSync.push` sends, in SGLang's
 names), and the verdict per case. Used by the conformance suite (tests/conformance/test_sglang_model.py) and by
 `v4rl plan --sglang-dir` (v4rl/plan_sglang.py).
@@ -187,7 +187,7 @@ def run_cases(cases: Sequence[Case], paths: Sequence[str | Path], workdir: Path,
               env: dict[str, str] | None = None) -> dict[str, CaseResult]:
     """All cases in one subprocess (SGLang imported once); name -> result. RuntimeError with the tail of the
     subprocess's output when it fails outside a case."""
-    from engines.engine_sources import engine_error, engine_python
+    from engines.upstream.sources import engine_error, engine_python
 
     specs = []
     for case in cases:

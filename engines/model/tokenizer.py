@@ -4,7 +4,7 @@ One token per printable ASCII character, plus `\\boxed{` as a single token (answ
 is the part a reward depends on) and the specials `<bos>` (0), `<eos>` (1), `<pad>` (2), `<unk>` (3). The
 saved directory loads with `transformers.AutoTokenizer.from_pretrained(dir)`.
 
-    python -c "from engines.tokenizer import build_tokenizer; build_tokenizer().save_pretrained('tok')"
+    python -c "from engines.model.tokenizer import build_tokenizer; build_tokenizer().save_pretrained('tok')"
 """
 
 from __future__ import annotations

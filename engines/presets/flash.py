@@ -7,10 +7,10 @@ the ones Miles' `scripts/models/deepseek-v4-flash.py` and SGLang 0.5.23's `DeepS
 q_lora 1024, 8 output groups of rank 1024, 256 routed experts top-6 of width 2048 plus one shared expert,
 sqrtsoftplus routing scaled by 1.5, 3 hash-routed layers, SwiGLU clamp 10, window 128, CSA rate 4 / HCA rate
 128, indexer 64 x 128 keeping 512, YaRN x16 over 65536 positions for the compressed branches.
-`tests/test_miles_job.py` pins it to `engines.presets.dsv4_flash_model_config()` and `dsv4_flash_shape()`;
+`tests/test_miles_job.py` pins it to `engines.presets.models.dsv4_flash_model_config()` and `dsv4_flash_shape()`;
 `tests/conformance/test_miles_model_args.py` to Miles' own model script.
 
-    from engines.dsv4_flash import flash_config
+    from engines.presets.flash import flash_config
     flash_config()["compress_ratios"][:4]   # [0, 0, 4, 128]
 """
 
