@@ -352,3 +352,26 @@ def test_cli_serves_over_http(tiny_checkpoint):
         proc.terminate()
         proc.wait(30)
     assert proc.returncode is not None
+
+
+def test_a_refused_request_is_reported_to_the_servers_owner_with_the_engines_reason(tiny_checkpoint):
+    """Miles retries any non-2xx answer for a minute: whoever runs the server sees the reason at once."""
+    from fastapi.testclient import TestClient
+
+    from engines.rollout.engine import RolloutEngine
+    from engines.rollout.server import create_app
+
+    refused: list[str] = []
+    engine = RolloutEngine(tiny_checkpoint)
+    try:
+        client = TestClient(create_app(engine, on_refusal=refused.append))
+        ok = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
+        bad = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 10**9}})
+        missing = client.get("/no_such_route")
+    finally:
+        engine.shutdown()
+    assert ok.status_code == 200 and bad.status_code == 400 and missing.status_code == 404
+    assert len(refused) == 2, refused
+    assert refused[0].startswith("POST /generate: HTTP 400 ") and "context length" in refused[0], refused
+    assert bad.json() == __import__("json").loads(refused[0].split("HTTP 400 ", 1)[1])  # the body is untouched
+    assert refused[1].startswith("GET /no_such_route: HTTP 404"), refused

@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(code=1)
         from checkpoints.hf import CheckpointError
         from engines.rollout.engine import EngineConfig, RolloutEngine
-        from engines.rollout.server import serve
+        from engines.rollout.server import REFUSAL_PREFIX, serve
 
         try:
             config = EngineConfig(dtype=dtype, max_running_requests=max_running_requests,
@@ -54,4 +54,5 @@ def register(app: typer.Typer) -> None:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1)
         serve(model, host=host, port=port, api_key=api_key, engine=engine, enable_memory_saver=enable_memory_saver,
-              on_ready=lambda url: typer.echo(f"serving {model} on {url} (SGLang native API)"))
+              on_ready=lambda url: typer.echo(f"serving {model} on {url} (SGLang native API)"),
+              on_refusal=lambda line: typer.echo(f"{REFUSAL_PREFIX}{line}", err=True))

@@ -214,17 +214,35 @@ def _start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
     raise RehearsalError(f"engine: `v4rl serve-rollout` did not answer /health within {ENGINE_START_S:.0f}s ({log})")
 
 
+def _first_refusal(engine_log: Path) -> str | None:
+    """The engine's first refused request, from `v4rl serve-rollout`'s log (its REFUSAL_PREFIX lines), or None."""
+    from engines.rollout.server import REFUSAL_PREFIX
+
+    if not engine_log.exists():
+        return None
+    for line in engine_log.read_text(errors="replace").splitlines():
+        if line.startswith(REFUSAL_PREFIX):
+            return line[len(REFUSAL_PREFIX):]
+    return None
+
+
 def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: float) -> str | None:
-    """Miles' train.py, unmodified, as a child in its own process group; its error line, or None on success."""
-    log = work / "miles.log"
+    """Miles' train.py, unmodified, as a child in its own process group; its error line, or None on success. A
+    request the engine refuses stops it at once with the engine's own message (engine.log in `work`)."""
+    log, engine_log = work / "miles.log", work / "engine.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, str(miles / "train.py"), *argv], cwd=work, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"
+        deadline = time.monotonic() + timeout
+        while (code := proc.poll()) is None:
+            refusal = _first_refusal(engine_log)
+            if refusal:  # Miles retries a refused request for a minute: stop now and say why
+                _stop(proc)
+                return f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})"
+            if time.monotonic() > deadline:
+                _stop(proc)
+                return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"
+            time.sleep(0.5)
     if code != 0:
         return f"Miles' train.py exited with {code}: {src.engine_error(log.read_text(errors='replace'))}"
     return None

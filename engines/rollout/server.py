@@ -99,10 +99,29 @@ def _bearer_ok(header: str | None, key: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
 
 
+REFUSAL_PREFIX = "v4rl engine refused "
+"""How `v4rl serve-rollout` starts its line for each refused request (on stderr), so a supervisor can find it."""
+
+
 def create_app(engine: RolloutEngine, *, api_key: str | None = None,
-               server_args: dict[str, Any] | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` with SGLang's native routes."""
+               server_args: dict[str, Any] | None = None,
+               on_refusal: Callable[[str], None] | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` with SGLang's native routes. `on_refusal` gets one line per refused
+    request, an answer of status 4xx ("POST /generate: HTTP 400 {body}"; a 503 while paused is no refusal): clients such as Miles' retry any non-2xx answer for a
+    minute before they raise, so whoever runs the server can show the engine's own reason at once."""
     app = FastAPI(title="v4rl rollout (SGLang-compatible)", openapi_url=None, docs_url=None, redoc_url=None)
+    if on_refusal is not None:
+        @app.middleware("http")
+        async def report_refusals(request: Request, call_next):
+            response = await call_next(request)
+            # "PRI *": an HTTP/2 preface (sglang-router probes each worker for gRPC first), no client's request
+            if not 400 <= response.status_code < 500 or request.method == "PRI":
+                return response
+            body = b"".join([chunk async for chunk in response.body_iterator])
+            on_refusal(f"{request.method} {request.url.path}: HTTP {response.status_code} "
+                       f"{body[:500].decode(errors='replace')}")
+            return Response(content=body, status_code=response.status_code, headers=dict(response.headers))
+
     state = ServingState(engine, **(server_args or {}))
     probe = HealthProbe(engine)
     checker = WeightsChecker(engine)
@@ -371,7 +390,7 @@ class RolloutServer:
 
 def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           engine: RolloutEngine | None = None, on_ready: Callable[[str], None] | None = None,
-          enable_memory_saver: bool = False) -> None:
+          enable_memory_saver: bool = False, on_refusal: Callable[[str], None] | None = None) -> None:
     """Blocking: load the engine, serve until SIGINT/SIGTERM, then stop the engine."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach the port can update the weights", host)
@@ -379,7 +398,8 @@ def serve(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 30000, 
     sock = bind_socket(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _uvicorn(create_app(engine, api_key=api_key, server_args={
-        "host": host, "port": sock.getsockname()[1], "enable_memory_saver": enable_memory_saver}))
+        "host": host, "port": sock.getsockname()[1], "enable_memory_saver": enable_memory_saver},
+        on_refusal=on_refusal))
     if on_ready is not None:
         threading.Thread(target=_notify_when_started, args=(server, url, on_ready), daemon=True).start()
     try:

@@ -163,3 +163,22 @@ def test_generation_2_job_lays_the_tiny_model_on_one_stage(tmp_path):
     rows = {s.name: s for s in job.substitutions}
     assert "|" not in rows["--pipeline-model-parallel-layout"].rehearsal
     assert rows["--pipeline-model-parallel-layout"].cluster.count("|") == 3
+
+
+def test_a_request_the_engine_refuses_stops_miles_at_once_with_the_engines_reason(tmp_path):
+    """Miles retries a refused /generate for a minute; the rehearsal stops it as the engine logs the refusal."""
+    import time
+
+    from engines.rehearsal.run import _run_miles
+    from engines.rollout.server import REFUSAL_PREFIX
+
+    miles = tmp_path / "miles"
+    miles.mkdir()
+    (miles / "train.py").write_text("import time\ntime.sleep(120)\n")  # Miles, retrying
+    (tmp_path / "engine.log").write_text(f"serving ...\n{REFUSAL_PREFIX}POST /generate: HTTP 400 "
+                                         '{"error": {"message": "return_routed_experts needs the server flag"}}\n')
+    started = time.monotonic()
+    error = _run_miles(miles, [], {}, tmp_path, timeout=60)
+    assert time.monotonic() - started < 10
+    assert error.startswith("v4rl's engine refused Miles' request: POST /generate: HTTP 400") and \
+        "needs the server flag" in error, error
