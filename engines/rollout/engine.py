@@ -408,6 +408,9 @@ class RolloutEngine(WeightUpdates):
             if r.spec.top_logprobs_num:
                 raw = torch.log_softmax(logits[i:i + 1].float(), dim=-1)
                 r.output_top.append(topk_rows(raw, r.spec.top_logprobs_num)[0])
+                # one tensor for both, as SGLang: a sampled top-k token shows the same logprob in each list
+                # (the sampler's own logprob can differ from this row's in the last float32 bit)
+                r.output_logprobs[-1] = float(raw[0, tok])
             reason = self._finish_reason(r, tok)
             if reason is None:
                 keep.append(r)
