@@ -56,6 +56,21 @@ def write_random_tiny_checkpoint(out_dir: Path, *, seed: int = 0, **save_kwargs)
         return save_hf_checkpoint(out_dir, cfg, native, tokenizer_dir=tok_dir, **kwargs)
 
 
+def write_noisy_copy(checkpoint: Path, out: Path, *, seed: int, **save_kwargs) -> Path:
+    """`checkpoint`'s weights plus 2% noise per floating tensor (integer tables such as tid2eid kept), saved as an
+    FP8/FP4 export at `out`: a weight update whose every tensor differs from what is served."""
+    import torch
+
+    from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+
+    cfg, state = load_hf_checkpoint(checkpoint)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() > 1:
+            state[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
+    return save_hf_checkpoint(out, cfg, state, tokenizer_dir=checkpoint, **save_kwargs)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """Path of a random tiny-cpu checkpoint (FP8 linears, FP4 routed experts, UE8M0 scales). Read-only."""

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.fidelity import check_fidelity
 from engines.rollout.server import RolloutServer
 from engines.rollout.sglang import SGLangClient
+from tests.conftest import write_noisy_copy
 
 PROMPT = [0] + [5 + 7 * k % 90 for k in range(20)]
 SAMPLING = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
@@ -45,12 +44,7 @@ def served(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def noisy_export(tiny_checkpoint, tmp_path_factory) -> Path:
     """The served weights plus 2% noise (tid2eid kept), as an FP8/FP4 export."""
-    cfg, state = load_hf_checkpoint(tiny_checkpoint)
-    g = torch.Generator().manual_seed(3)
-    for name, t in state.items():
-        if t.is_floating_point() and t.numel() > 1:
-            state[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
-    return save_hf_checkpoint(tmp_path_factory.mktemp("bcast") / "step-1", cfg, state, tokenizer_dir=tiny_checkpoint)
+    return write_noisy_copy(tiny_checkpoint, tmp_path_factory.mktemp("bcast") / "step-1", seed=3)
 
 
 def _generate(url: str) -> list[int]:

@@ -32,6 +32,7 @@ from engines.rollout.fidelity import (FidelityError, check_fidelity, compare, pr
 from engines.rollout.server import RolloutServer
 from engines.rollout.sglang import SGLangClient, SGLangHTTPError
 from tests.planted import UPDATE_BUGS, plant_update_bug
+from tests.conftest import write_noisy_copy
 
 PROMPTS = [[0] + [5 + (11 * i + 5 * k) % 90 for k in range(31 + i)] for i in range(3)]
 SAMPLING = {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5}
@@ -65,13 +66,8 @@ def _run(client: SGLangClient):
 @pytest.fixture(scope="module")
 def updated(tiny_checkpoint, tmp_path_factory) -> Path:
     """The base weights plus 2% noise per tensor (tid2eid kept), sharded small so shards can be buckets."""
-    cfg, state = load_hf_checkpoint(tiny_checkpoint)
-    g = torch.Generator().manual_seed(1)
-    for name, t in state.items():
-        if t.is_floating_point() and t.numel() > 1:
-            state[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
-    out = tmp_path_factory.mktemp("update") / "step-1"
-    return save_hf_checkpoint(out, cfg, state, tokenizer_dir=tiny_checkpoint, max_shard_bytes=150_000)
+    return write_noisy_copy(tiny_checkpoint, tmp_path_factory.mktemp("update") / "step-1", seed=1,
+                            max_shard_bytes=150_000)
 
 
 def _bucket(src: Path, dst: Path, shards: list[str]) -> Path:

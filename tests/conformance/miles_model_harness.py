@@ -21,22 +21,12 @@ from pathlib import Path
 
 import torch
 
-from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
+from engines.model.config import ModelConfig
+from engines.rehearsal.tiny_model import tiny_miles_config  # noqa: F401 - the one Miles-legal tiny shape (tests import it from here)
 from engines.train.miles.model_check import NUMERIC_STANDINS, tile_kernels_mhc_reference
 
 SEQ = 256
 """Tokens of the forward: a multiple of 128 (Miles' compressor), two HCA entries, 64 CSA entries."""
-
-
-def tiny_miles_config() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=500, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, head_dim=512, q_lora_rank=128,
-        partial_rotary_factor=64 / 512, layer_types=[SLIDING, CSA, HCA, CSA],
-        mlp_layer_types=[HASH_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE], o_groups=2, o_lora_rank=1024, index_n_heads=4,
-        index_head_dim=128, index_topk=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                      "beta_slow": 1},
-        max_position_embeddings=4096, initializer_range=0.05)
 
 
 def make_hf_checkpoint(out: Path, cfg: ModelConfig, *, seed: int = 0) -> Path:

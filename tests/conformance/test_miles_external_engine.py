@@ -15,12 +15,11 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 from engines.upstream.sources import engine_python
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.server import RolloutServer
+from tests.conftest import write_noisy_copy
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -28,13 +27,7 @@ REPO = HERE.parents[1]
 
 @pytest.fixture(scope="module")
 def noisy_export(tiny_checkpoint, tmp_path_factory) -> Path:
-    cfg, state = load_hf_checkpoint(tiny_checkpoint)
-    g = torch.Generator().manual_seed(4)
-    for name, t in state.items():
-        if t.is_floating_point() and t.numel() > 1:
-            state[name] = t + 0.02 * t.std() * torch.randn(t.shape, generator=g)
-    return save_hf_checkpoint(tmp_path_factory.mktemp("miles-bcast") / "step-1", cfg, state,
-                              tokenizer_dir=tiny_checkpoint)
+    return write_noisy_copy(tiny_checkpoint, tmp_path_factory.mktemp("miles-bcast") / "step-1", seed=4)
 
 
 @pytest.mark.parametrize("generation", ["miles_tree", "miles_gen2_tree"])
