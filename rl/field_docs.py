@@ -11,10 +11,12 @@ three never say different things.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from pathlib import Path
 
 
+@functools.lru_cache(maxsize=None)  # each CLI option asks again; parse each class once
 def _fields(module: str, cls: str) -> dict[str, tuple[ast.AnnAssign, str]]:
     source = Path(importlib.util.find_spec(module).origin).read_text()
     matches = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == cls]

@@ -214,16 +214,25 @@ def _start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
     raise RehearsalError(f"engine: `v4rl serve-rollout` did not answer /health within {ENGINE_START_S:.0f}s ({log})")
 
 
-def _first_refusal(engine_log: Path) -> str | None:
-    """The engine's first refused request, from `v4rl serve-rollout`'s log (its REFUSAL_PREFIX lines), or None."""
-    from engines.rollout.server import REFUSAL_PREFIX
+class _RefusalWatch:
+    """The engine's first refused request, from `v4rl serve-rollout`'s log (its REFUSAL_PREFIX lines), reading
+    only what the log gained since the last look."""
 
-    if not engine_log.exists():
-        return None
-    for line in engine_log.read_text(errors="replace").splitlines():
-        if line.startswith(REFUSAL_PREFIX):
-            return line[len(REFUSAL_PREFIX):]
-    return None
+    def __init__(self, engine_log: Path) -> None:
+        self.engine_log, self.offset, self.partial = engine_log, 0, ""
+
+    def first(self) -> str | None:
+        from engines.rollout.server import REFUSAL_PREFIX
+
+        if not self.engine_log.exists():
+            return None
+        with self.engine_log.open("r", errors="replace") as f:
+            f.seek(self.offset)
+            text = self.partial + f.read()
+            self.offset = f.tell()
+        lines = text.split("\n")
+        self.partial = lines.pop()  # a line still being written
+        return next((line[len(REFUSAL_PREFIX):] for line in lines if line.startswith(REFUSAL_PREFIX)), None)
 
 
 def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: float) -> str | None:
@@ -233,9 +242,9 @@ def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: flo
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, str(miles / "train.py"), *argv], cwd=work, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
-        deadline = time.monotonic() + timeout
+        deadline, watch = time.monotonic() + timeout, _RefusalWatch(engine_log)
         while (code := proc.poll()) is None:
-            refusal = _first_refusal(engine_log)
+            refusal = watch.first()
             if refusal:  # Miles retries a refused request for a minute: stop now and say why
                 _stop(proc)
                 return f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})"
