@@ -30,12 +30,12 @@ FORM_NUMBERS = ("steps", "eval_interval", "prompts_per_step", "n_samples", "n_ev
 """The fields of the form that are a preset's numbers (engines.presets.runs.RUN_NUMBERS): their defaults are the
 tiny-cpu preset's, and a cluster preset fills in its own (PRESET_PARAMS)."""
 _TINY = {name: value for name, value in run_numbers("tiny-cpu").items() if name in FORM_NUMBERS}
-_SEED_RUN = {**{name: value for name, value in run_numbers("dsv4-flash-mi355x").items() if name in FORM_NUMBERS},
-             "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8"}
 PRESET_PARAMS: dict[str, dict] = {
-    "dsv4-flash-mi355x": _SEED_RUN, "dsv4-flash-mi355x-1node": _SEED_RUN, "dsv4-flash-mi355x-32gpu": _SEED_RUN}
-"""Per preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): the seed's run
-(engines/presets/runs.py SEED_RUN) on each cluster layout; DESIGN.md Presets."""
+    name: {**{k: v for k, v in run_numbers(name).items() if k in FORM_NUMBERS},
+           "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8"}
+    for name in ("dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu")}
+"""Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
+own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
 _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
 CLUSTER_CORRECTIONS = ("none", "tis")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""

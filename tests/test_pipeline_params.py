@@ -25,8 +25,9 @@ def test_partial_cluster_params_take_the_presets_values(spelling):
 def test_tiny_cpu_and_preset_defaults_are_unchanged():
     tiny = PipelineParams.model_validate({"steps": 3, "eval_interval": 1})
     assert (tiny.preset, tiny.run_key, tiny.lr, tiny.prompts_per_step) == ("tiny-cpu", "tiny-cpu", 1e-4, 128)
-    seed = PipelineParams.preset_defaults("dsv4-flash-mi355x-32gpu", run_key="mine")
-    assert (seed.run_key, seed.steps, seed.lr) == ("mine", 200, 1e-6)
+    miles_32 = PipelineParams.preset_defaults("dsv4-flash-mi355x-32gpu", run_key="mine")
+    assert (miles_32.run_key, miles_32.steps, miles_32.lr) == ("mine", 3000, 1e-6)  # Miles' launcher: 3000 rollouts
+    assert PipelineParams.preset_defaults("dsv4-flash-mi355x").steps == 200  # the seed's run
     assert PipelineParams.preset_defaults("dsv4-flash-mi355x") == PipelineParams(preset="dsv4-flash-mi355x")
 
 

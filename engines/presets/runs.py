@@ -46,12 +46,13 @@ _MILES_LAUNCHER_TRAIN = TrainSpec(max_tokens_per_gpu=2048, micro_batching="per-s
                                   max_prompt_len=2048, max_response_len=8192)
 _MILES_LAUNCHER_ROLLOUT = RolloutSpec(engine_tp=4, engine_ep=4, engine_dp=1, max_running_requests=48,
                                       max_total_tokens=524288, context_length=16384, mem_fraction_static=0.5)
+_MILES_LAUNCHER_EVAL = EvalSpec(n_problems=30)  # AIME 2024's 30: the whole set, which is what Miles evaluates
 MILES_1NODE_RUN = RunPreset(
     name="dsv4-flash-mi355x-1node",
     description="Miles' launcher preset for 1 actor node: 8 MI355X colocated, TP8 (SP) EP8.",
     model=dsv4_flash_shape, hf_config=flash_config, profile="mi355x", nodes=1, rollout_nodes=0,
     parallel=ParallelSpec(tp=8, pp=1, ep=8, etp=1, cp=1),
-    train=_MILES_LAUNCHER_TRAIN, rollout=_MILES_LAUNCHER_ROLLOUT, num_rollout=3000,
+    train=_MILES_LAUNCHER_TRAIN, rollout=_MILES_LAUNCHER_ROLLOUT, num_rollout=3000, eval=_MILES_LAUNCHER_EVAL,
 )
 MILES_32GPU_RUN = RunPreset(
     name="dsv4-flash-mi355x-32gpu",
@@ -60,7 +61,7 @@ MILES_32GPU_RUN = RunPreset(
     parallel=ParallelSpec(tp=4, pp=4, ep=8, etp=1, cp=1, first_stage_layers=11, last_stage_layers=10),
     # 4 actor nodes: the launcher keeps a quarter of Adam on GPU and the train weights resident
     train=dataclasses.replace(_MILES_LAUNCHER_TRAIN, optimizer_offload=0.75), rollout=_MILES_LAUNCHER_ROLLOUT,
-    num_rollout=3000, miles=MilesSettings(offload_train=False),
+    num_rollout=3000, eval=_MILES_LAUNCHER_EVAL, miles=MilesSettings(offload_train=False),
 )
 # The embedded run, as `v4rl train`, the rl-pipeline form (PipelineParams) and `v4rl plan --preset tiny-cpu` all run
 # it: 100 steps of 128 prompts x 8 samples at lr 1e-4, 8 new tokens at temperature 1, evaluated on 200 held-out
