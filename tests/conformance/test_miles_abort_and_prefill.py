@@ -33,7 +33,7 @@ GENERATIONS = ["miles_tree", "miles_gen2_tree"]
 # Miles main imports `encoding_dsv4` from its own SGLang branch; upstream 0.5.23 lacks it (never called here)
 STUB_ROOTS = (*GPU_ONLY_ROOTS, "sglang.srt.entrypoints.openai.encoding_dsv4")
 # float32 decode vs float32 prefill of the same tokens: different kernels (batched prefill attention, decode
-# steps) sum in different orders; measured max |diff| 2.4e-7 (reference/conformance.md part D)
+# steps) sum in different orders; measured max |diff| 7.2e-7 here (both generations), 2.4e-7 in reference part D
 PREFILL_TOLERANCE = 1e-5
 
 
@@ -81,7 +81,9 @@ def test_miles_prefill_recompute_equals_engine_logprobs(generation, request, sgl
         result = run_harness(miles, sglang_paths, "prefill", server.url, tiny_base, tmp_path / "prefill.json",
                              str(tmp_path / "generated.json"))
     assert result["sources"] == ["sglang_prefill_recompute"] * 3
+    worst = 0.0
     for g, batched, single in zip(generated, result["batched"], result["single"]):
         assert len(batched) == len(single) == len(g["output_ids"]) == 10
-        assert max(abs(a - b) for a, b in zip(batched, g["logprobs"])) <= PREFILL_TOLERANCE
-        assert max(abs(a - b) for a, b in zip(single, g["logprobs"])) <= PREFILL_TOLERANCE
+        worst = max(worst, *(abs(a - b) for a, b in zip(batched + single, g["logprobs"] * 2)))
+    print(f"Miles' prefill recompute vs the engine's decode logprobs: max |diff| {worst:.3g}")
+    assert worst <= PREFILL_TOLERANCE
