@@ -11,6 +11,11 @@ The protocol and its order are SGLang 0.5.23's (`model_executor/model_runner_com
      {names, dtypes, shapes, group_name, flush_cache, weight_version, ...}; the engine allocates each tensor from
      the announced dtype and shape and receives it by broadcast from rank 0, in the announced order (float8 as its
      bytes: gloo has no float8 type, `launcher.wire_view`). Refused outside a session, as SGLang does.
+     With `load_format: "flattened_bucket"` the whole bucket is ONE uint8 broadcast: the tensors' bytes
+     concatenated in the announced order (SGLang's `weight_sync/tensor_bucket.py` `FlattenedTensorBucket`, received
+     by `_receive_bucketed_weights_from_distributed`); each tensor must start at a byte offset its dtype's size
+     divides, else the bucket is refused (SGLang's "Unaligned received tensor"). Float8 then travels as bytes
+     under its own dtype name. Any other load_format is refused.
   3. POST /destroy_weights_update_group {group_name}.
 The received tensors carry SGLang's HF names (`model.layers.N....weight`, `...weight_scale_inv`, `wo_a.scale`) and
 go through the disk update's path: paired with their scales into the stored FP8/FP4 form, validated against the
@@ -42,6 +47,8 @@ from engines.rollout.launcher import init_weight_sync_group, receive_bucket
 log = logging.getLogger("v4rl.rollout")
 CPU_BACKENDS = ("nccl", "gloo")
 """Backends a trainer may name; the CPU engine runs either as gloo."""
+FLATTENED_BUCKET = "flattened_bucket"
+"""The load_format under which a bucket arrives as one flattened uint8 broadcast (SGLang 0.5.23)."""
 JOIN_TIMEOUT_S = 600.0
 """How long the rendezvous waits for the other ranks (torch's default process-group timeout is 10 min)."""
 
@@ -95,8 +102,13 @@ class WeightUpdateGroups:
             return False, problem
         # the broadcast is already on its way from rank 0: receive it before refusing anything about its content,
         # or the trainer blocks in its send
-        named = [(name, _fp8_from_bytes(name, t)) for name, t in
-                 receive_bucket(group, {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes})]
+        announced = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes}
+        if body.load_format == FLATTENED_BUCKET:
+            named, problem = receive_flattened_bucket(group, announced)
+            if problem:
+                return False, f"Failed to receive weights: {problem}"
+        else:
+            named = [(name, _fp8_from_bytes(name, t)) for name, t in receive_bucket(group, announced)]
         try:
             for _ in pair_units(named):
                 pass
@@ -132,6 +144,42 @@ class WeightUpdateGroups:
             self.destroy(name)
 
 
+def flattened_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[int, int]], int, int | None]:
+    """(start, end) byte ranges of each tensor in a flattened bucket, its total bytes, and the index of the first
+    tensor whose start its dtype's size does not divide (None when all are aligned), as SGLang's
+    `FlattenedTensorBucket.empty` lays them out."""
+    spans, offset, unaligned = [], 0, None
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+        itemsize = getattr(torch, dtype).itemsize
+        if offset % itemsize and unaligned is None:
+            unaligned = i
+        size = torch.Size(shape).numel() * itemsize
+        spans.append((offset, offset + size))
+        offset += size
+    return spans, offset, unaligned
+
+
+def receive_flattened_bucket(group: Any, announced: dict[str, list]) -> tuple[list[tuple[str, torch.Tensor]], str | None]:
+    """Receive one flattened bucket (a single uint8 broadcast from rank 0) and cut it into the announced tensors;
+    the second item is why the bucket is refused (after its bytes were received, so rank 0 is not left blocked)."""
+    import torch.distributed as dist
+
+    names, dtypes, shapes = announced["names"], announced["dtypes"], announced["shapes"]
+    if not names:
+        return [], "Cannot create empty tensor bucket"  # SGLang's message; rank 0 cannot flatten nothing either
+    if any(d < 0 for shape in shapes for d in shape):
+        return [], f"Negative dimension in announced shapes {shapes}"  # nothing is sent for such a bucket
+    spans, total, unaligned = flattened_layout(dtypes, shapes)
+    flat = torch.empty(total, dtype=torch.uint8)
+    dist.broadcast(flat, src=0, group=group)
+    if unaligned is not None:
+        return [], (f"Unaligned received tensor {names[unaligned]}: byte offset {spans[unaligned][0]}, dtype "
+                    f"{dtypes[unaligned]} (order a flattened bucket so every tensor starts at a multiple of its "
+                    "dtype's size)")
+    return [(name, flat[start:end].view(getattr(torch, dtype)).reshape(shape))
+            for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, spans)], None
+
+
 def _fp8_from_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
     """gloo has no float8 type ("Invalid scalar type"), so a CPU trainer sends E4M3 weights as their bytes,
     announced as uint8: a uint8 `.weight` is read back as float8_e4m3fn (UE8M0 scales are accepted as uint8)."""
@@ -145,7 +193,7 @@ def _announcement_problem(body: control.UpdateWeightsFromDistributed) -> str | N
     bad = [d for d in body.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
     if bad:
         return f"dtypes {bad[:3]} are not torch dtype names (e.g. 'bfloat16', 'float8_e4m3fn')"
-    if body.load_format is not None:
-        return (f"load_format {body.load_format!r}: the CPU engine receives tensor by tensor; send no load_format "
-                "(SGLang's default)")
+    if body.load_format not in (None, FLATTENED_BUCKET):
+        return (f"load_format {body.load_format!r}: SGLang's distributed update takes no load_format (tensor by "
+                f"tensor) or {FLATTENED_BUCKET!r} (one broadcast per bucket); send one of those")
     return None
