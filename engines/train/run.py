@@ -284,10 +284,10 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                         grpo_config={"rollout_correction": config.rollout_correction.to_dict()},
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
-    replay = config.rollout_correction.routing_replay  # the rollout returns its routes, the trainer replays them
+    # the rollout always returns its routes: the trainer logs train/router_mismatch_frac with replay off too (#29)
     workers = _workers(config, Path(run_dir).name, trainer_args,
                        {"model_dir": str(serving), "api_key": api_key,
-                        "engine_config": {"enable_return_routed_experts": True} if replay else None})
+                        "engine_config": {"enable_return_routed_experts": True}})
     stop = stop or StopRequest()
     stop.check()
     with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call), _stoppable(stop, workers):
@@ -295,7 +295,7 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                               generate_timeout=config.call_timeout_s, update_timeout=config.call_timeout_s)
         if api_key:
             _check_protected(client, log)
-        top_k = json.loads((serving / "config.json").read_text())["num_experts_per_tok"] if replay else None
+        top_k = json.loads((serving / "config.json").read_text())["num_experts_per_tok"]
         rollout = HTTPRollout(client, routed_experts_top_k=top_k)
         resumed = call(trainer.resume, "resuming the trainer")
         start = resumed["step"]
