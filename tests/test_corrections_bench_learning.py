@@ -63,3 +63,21 @@ def test_bad_input_is_one_line(tmp_path):
     assert res.exit_code == 2 and "--arms: unknown arm(s) ['nope']" in res.output
     res = CliRunner().invoke(app, ["bench", "train", "--json", str(tmp_path / "t.json"), "--seeds", "2"])
     assert res.exit_code == 2 and "--seeds applies to learning only" in res.output
+
+
+def test_the_engine_serves_bf16_and_refuses_to_mix_storages(tiny_checkpoint, tmp_path):
+    """The BF16 arm's engine side (engines/rollout/weights.py): an unquantized checkpoint is served and updated as
+    such; an update in the other storage is refused in either direction, naming the tensor."""
+    from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+    from engines.rollout.weights import WeightStore, WeightUpdateError, read_weight_dir
+
+    cfg, state = load_hf_checkpoint(tiny_checkpoint)
+    bf16_dir = save_hf_checkpoint(tmp_path / "bf16", cfg, state, weight_format="bf16", tokenizer_dir=tiny_checkpoint)
+    fp8, bf16 = WeightStore.from_dir(tiny_checkpoint), WeightStore.from_dir(bf16_dir)
+    assert "bfloat16" in bf16.storage_summary() and "fp8" not in bf16.storage_summary()
+    bf16_update, fp8_update = read_weight_dir(bf16_dir)[1], read_weight_dir(tiny_checkpoint)[1]
+    assert bf16.check_update(bf16_update, source="bf16") and fp8.check_update(fp8_update, source="fp8")
+    with pytest.raises(WeightUpdateError, match="arrived as bfloat16 but is stored as a quantized weight"):
+        fp8.check_update(bf16_update, source="bf16")
+    with pytest.raises(WeightUpdateError, match=r"arrived as FP8\+scale but is stored as unquantized"):
+        bf16.check_update(fp8_update, source="fp8")
