@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engines import TINY_BASE
 from engines.presets.runs import run_numbers
 
-from rl.correction_setting import Mode, RolloutCorrection
+from rl.correction_setting import MIS_ALTERNATIVE, MIS_EXAMPLE, Mode, RolloutCorrection
 from rl.field_docs import field_docs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,6 @@ PRESET_PARAMS: dict[str, dict] = {
 """Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
 own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
 _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
-CLUSTER_CORRECTIONS = ("none", "tis")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
 
 
@@ -221,12 +220,11 @@ class PipelineParams(BaseModel):
     @model_validator(mode="after")
     def _correction_reaches_the_trainer(self) -> "PipelineParams":
         self.correction()  # ValueError naming the field and the fix
-        extras = [name for name in ("opsm", "routing_replay") if getattr(self, name)]
-        if self.preset != "tiny-cpu" and (self.rollout_correction not in CLUSTER_CORRECTIONS or extras):
-            wanted = f"rollout_correction={self.rollout_correction!r}" + "".join(f" with {e}" for e in extras)
-            raise ValueError(f"{wanted} runs in the embedded tiny-cpu trainer only; v4rl's Miles job for {self.preset} "
-                             f"carries {' or '.join(CLUSTER_CORRECTIONS)} (--use-tis) so far: choose one of those, "
-                             "or run the mode on tiny-cpu (docs/rollout-correction.md lists Miles' own flags)")
+        if self.preset != "tiny-cpu" and self.rollout_correction in MIS_ALTERNATIVE:
+            raise ValueError(f"rollout_correction={self.rollout_correction!r} needs Miles' {MIS_EXAMPLE} (mis.py), "
+                             f"which the pinned Miles generations do not carry; use "
+                             f"{MIS_ALTERNATIVE[self.rollout_correction]!r} on {self.preset}, or run "
+                             f"{self.rollout_correction} on tiny-cpu (docs/rollout-correction.md)")
         return self
 
     def correction(self) -> RolloutCorrection:
@@ -314,8 +312,8 @@ class PipelineParams(BaseModel):
         out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
                      "n_samples_per_prompt": self.n_samples, "eval_interval": self.eval_interval,
                      "n_samples_per_eval_prompt": self.eval_samples, "lr": self.lr}
-        if self.rollout_correction != _CORRECTION.mode:  # only none reaches here besides the default (validator)
-            out["use_tis"] = self.rollout_correction == "tis"
+        if self.correction() != _CORRECTION:  # Miles' flags: engines/train/miles/train_args.py correction_args
+            out["rollout_correction"] = self.correction().to_dict()
         if self.save_interval:  # else the preset's (MilesSettings.save_interval): one job saves on its own grid
             out["save_interval"] = self.save_interval
         if self.train_data:

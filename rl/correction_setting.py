@@ -11,11 +11,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["MASKING_MODES", "MODES", "RolloutCorrection"]
+__all__ = ["MASKING_MODES", "MIS_ALTERNATIVE", "MIS_EXAMPLE", "MODES", "RolloutCorrection"]
 
 Mode = Literal["none", "tis", "icepop", "seq-is", "geo-mask", "seq-mask"]
 MODES: tuple[str, ...] = ("none", "tis", "icepop", "seq-is", "geo-mask", "seq-mask")
 MASKING_MODES = ("geo-mask", "seq-mask")
+MIS_EXAMPLE = "examples/infra_features/train_infer_mismatch_helper"
+"""Miles' MIS example, the only Miles code for seq-is / geo-mask / seq-mask; the pinned Miles trees lack it."""
+MIS_ALTERNATIVE = {"seq-is": "tis", "geo-mask": "icepop", "seq-mask": "icepop"}
+"""What a cluster preset runs instead of a MIS mode: the nearest mode Miles' own code carries."""
 _CLIP_DEFAULTS = {"none": (0.0, 2.0), "tis": (0.0, 2.0), "icepop": (0.5, 2.0), "seq-is": (0.0, 2.0),
                   "geo-mask": (0.0, 2.0), "seq-mask": (0.0, 2.0)}
 _REJECT_DEFAULTS = {"geo-mask": (0.9999, 1.0001), "seq-mask": (0.5, 2.0)}

@@ -191,11 +191,41 @@ def test_flow_parameters_reach_the_trainer_and_the_miles_job():
     assert _train_config(tiny)["rollout_correction"] == RolloutCorrection(mode="seq-mask", opsm=True).to_dict()
     assert tiny.training_fingerprint() != PipelineParams.preset_defaults("tiny-cpu").training_fingerprint()
     assert PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="none").miles_overrides()[
-        "use_tis"] is False
-    assert "use_tis" not in PipelineParams.preset_defaults("dsv4-flash-mi355x").miles_overrides()
-    with pytest.raises(ValidationError, match="runs in the embedded tiny-cpu trainer only.*choose one of those"):
-        PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="icepop")
+        "rollout_correction"]["mode"] == "none"
+    assert "rollout_correction" not in PipelineParams.preset_defaults("dsv4-flash-mi355x").miles_overrides()
+    icepop = PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="icepop", opsm=True)
+    assert icepop.miles_overrides()["rollout_correction"] == RolloutCorrection(mode="icepop", opsm=True).to_dict()
+    with pytest.raises(ValidationError, match="needs Miles' examples/.*use 'icepop' on dsv4-flash-mi355x"):
+        PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="geo-mask")
     with pytest.raises(ValidationError, match="opsm_delta"):
         PipelineParams.preset_defaults("tiny-cpu", opsm_delta=-1.0)
     with pytest.raises(ValidationError, match="rollout_correction"):
         PipelineParams.preset_defaults("tiny-cpu", rollout_correction="tls")
+
+
+def test_each_mode_becomes_miles_flags_on_a_cluster_preset():
+    """engines/train/miles/train_args.py correction_args: the flags Miles' own code reads for each mode (parsed by
+    Miles' parser in tests/conformance/test_miles_corrections_cluster.py); MIS modes refused in one line."""
+    from engines.presets.runs import SEED_RUN, apply_overrides
+    from engines.train.miles.train_args import ICEPOP_FUNCTION, correction_args, misc_args
+
+    def flags(**setting):
+        return correction_args(apply_overrides(SEED_RUN, {"rollout_correction": setting})[0])
+
+    assert correction_args(SEED_RUN) == flags(mode="tis") == ["--use-tis"]  # Miles' default bounds 0 / 2
+    assert flags(mode="none") == []
+    assert flags(mode="tis", clip_low=0.1, clip_high=3.0) == ["--use-tis", "--tis-clip", "3", "--tis-clip-low", "0.1"]
+    assert flags(mode="icepop") == ["--use-tis", "--tis-clip-low", "0.5", "--custom-tis-function-path",
+                                    ICEPOP_FUNCTION]
+    assert flags(mode="none", opsm=True, opsm_delta=1e-3) == ["--use-opsm", "--opsm-delta", "0.001"]
+    for mode, instead in (("seq-is", "tis"), ("geo-mask", "icepop"), ("seq-mask", "icepop")):
+        with pytest.raises(ValueError, match=f"'{mode}' needs Miles' examples/.*use '{instead}' on the cluster"):
+            flags(mode=mode)
+    from engines.presets.runs import layout_input
+    from engines.profiles import get_profile
+
+    profile = get_profile(SEED_RUN.profile)
+    cluster = layout_input(SEED_RUN, profile=profile).cluster
+    replay, _ = apply_overrides(SEED_RUN, {"rollout_correction": {"mode": "tis", "routing_replay": True}})
+    assert "--use-rollout-routing-replay" in misc_args(replay, cluster, profile)
+    assert "--use-rollout-routing-replay" not in misc_args(SEED_RUN, cluster, profile)

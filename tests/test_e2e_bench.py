@@ -90,7 +90,7 @@ def test_settings_and_cli_reject_bad_input(tmp_path):
     with pytest.raises(ValueError, match="not empty"):
         main(tmp_path / "e2e.json", work_dir=tmp_path)
     result = CliRunner().invoke(app, ["bench", "train", "--json", str(tmp_path / "x.json"), "--steps", "3"])
-    assert result.exit_code != 0 and "--steps applies to e2e only" in result.output
+    assert result.exit_code != 0 and "--steps applies to e2e, learning only" in result.output
 
 
 def test_bench_e2e_smoke_run_writes_json_and_plot(tmp_path):

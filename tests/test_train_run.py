@@ -172,13 +172,16 @@ def test_a_completed_run_restarted_with_the_same_command_starts_nothing(tiny_bas
         run_training(tmp_path / "run", dataclasses.replace(config, lr=5e-4), log=logged.append)
 
 
-def test_routing_replay_runs_end_to_end_with_the_rollouts_routes(tiny_base, tmp_path):
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
+def test_routing_replay_runs_end_to_end_with_the_rollouts_routes(tiny_base, tmp_path, replay):
     """--routing-replay in a real run: the rollout server returns its routed experts over HTTP, the trainer replays
-    them and logs how often its own top-k differs from the rollout's (FP8 rollout vs BF16 trainer: rare flips)."""
+    them and logs how often its own top-k differs from the rollout's (FP8 rollout vs BF16 trainer: rare flips);
+    without replay the routes still come back and the mismatch is still logged (issue 29: either way)."""
     from rl.correction_setting import RolloutCorrection
 
     run_dir = tmp_path / "run"
-    config = _config(tiny_base, 1, use_ray=False, rollout_correction=RolloutCorrection(mode="tis", routing_replay=True))
+    config = _config(tiny_base, 1, use_ray=False,
+                     rollout_correction=RolloutCorrection(mode="tis", routing_replay=replay))
     run_training(run_dir, config, log=lambda m: None)
     (row,) = _rows(run_dir)
     mismatch = row["train/router_mismatch_frac"]

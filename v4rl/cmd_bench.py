@@ -1,4 +1,7 @@
-"""`v4rl bench convert|rollout|train|e2e --json OUT`: side-by-side benchmarks (bench/), JSON out.
+"""`v4rl bench convert|rollout|train|e2e|learning --json OUT`: side-by-side benchmarks (bench/), JSON out.
+
+`v4rl bench learning` takes `--arms A,B` and `--seeds N` besides `--steps` (bench/learning.py: FP8 rollout with each
+correction against BF16 rollout).
 
 `v4rl bench rollout --config-sweep --json OUT` runs the rollout bench over several DeepSeek-V4 shapes instead
 (bench/rollout_sweep.py).
@@ -11,8 +14,9 @@ from pathlib import Path
 
 import typer
 
-BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train", "e2e": "bench.e2e"}
-STEPS_BENCHES = ("e2e",)
+BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train", "e2e": "bench.e2e",
+           "learning": "bench.learning"}
+STEPS_BENCHES = ("e2e", "learning")
 """Benchmarks that take --steps."""
 SWEEPS = {"rollout": "bench.rollout_sweep"}
 """Benchmarks with a --config-sweep variant."""
@@ -22,7 +26,11 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def bench(name: str = typer.Argument(..., help=f"One of {', '.join(BENCHES)}."),
               json_out: Path = typer.Option(..., "--json", help="Where to write the results."),
-              steps: int = typer.Option(None, "--steps", min=1, help="GRPO steps per side (e2e only; default 20)."),
+              steps: int = typer.Option(None, "--steps", min=1,
+                                        help="GRPO steps per side (e2e: default 20) or per run (learning: 30)."),
+              arms: str = typer.Option(None, "--arms", help="learning only: comma list of arms (default all: "
+                                       "bf16-tis, fp8-none, fp8-tis, fp8-icepop, fp8-geo-mask, fp8-opsm, fp8-r3-tis)."),
+              seeds: int = typer.Option(None, "--seeds", min=1, help="learning only: seeds per arm (default 3)."),
               config_sweep: bool = typer.Option(False, "--config-sweep",
                                                 help="rollout only: several DeepSeek-V4 shapes instead of tiny-cpu "
                                                      "(writes a PNG beside the JSON).")) -> None:
@@ -35,6 +43,9 @@ def register(app: typer.Typer) -> None:
             f"--steps applies to {', '.join(STEPS_BENCHES)} only, not {name!r}",
             None if not config_sweep or name in SWEEPS else
             f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}",
+            *(None if value is None or name == "learning" else f"{flag} applies to learning only, not {name!r}"
+              for flag, value in (("--arms", arms), ("--seeds", seeds))),
+            _arms_problem(arms) if name == "learning" else None,
             inputs.output_file("--json", json_out))  # before a benchmark of minutes, not when it writes its result
         if problem:
             typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
@@ -47,4 +58,18 @@ def register(app: typer.Typer) -> None:
                 raise
             typer.secho(f"benchmark {name!r} is not built yet", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
-        module.main(json_out, **({"steps": steps} if steps is not None else {}))
+        given = {"steps": steps, "arms": arms, "seeds": seeds}
+        module.main(json_out, **{k: v for k, v in given.items() if v is not None})
+
+
+def _arms_problem(arms: str | None) -> str | None:
+    """bench learning's --arms checked before any run starts (bench.learning imports no torch at module level)."""
+    if arms is None:
+        return None
+    from bench.learning import parse_arms
+
+    try:
+        parse_arms(arms)
+    except ValueError as exc:
+        return str(exc)
+    return None

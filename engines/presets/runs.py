@@ -24,6 +24,7 @@ from engines.layout import (ClusterSpec, InfeasibleLayout, LayoutInput, ModelSha
                             RolloutSpec, TrainSpec, dsv4_flash_shape, plan_layout, tiny_cpu_shape)
 from engines.profiles import HardwareProfile, get_profile
 from engines.presets.spec import AlgorithmSpec, DataSpec, EvalSpec, MilesSettings, RunPreset
+from rl.correction_setting import RolloutCorrection
 
 SEED_RUN = RunPreset(
     name="dsv4-flash-mi355x",
@@ -115,6 +116,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "eval_datasets": ("eval", "datasets"), "eval_max_response_len": ("eval", "max_response_len"),
     "prompt_data": ("data", "prompt_data"), "input_key": ("data", "input_key"), "label_key": ("data", "label_key"),
     "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
+    "rollout_correction": ("algorithm", "rollout_correction"),
     "fp8_training": ("miles", "fp8_training"), "rollout_routing_replay": ("miles", "rollout_routing_replay"),
     "fault_tolerance": ("miles", "fault_tolerance"), "save_interval": ("miles", "save_interval"),
     "miles_generation": ("miles", "generation"), "dsv4_impl": ("miles", "dsv4_impl"),
@@ -183,6 +185,8 @@ def apply_overrides(preset: RunPreset, overrides: Mapping[str, Any] | None) -> t
         parts["parallel"].update(first_stage_layers=None, last_stage_layers=None)
     for key, value in given.items():
         section, name = OVERRIDES[key]
+        if key == "rollout_correction":  # a mode name or the setting's dict (a task's JSON arguments)
+            value = RolloutCorrection.coerce(value)
         parts[section][name] = tuple(map(tuple, value)) if key == "eval_datasets" else value
     cluster = parts.pop("cluster")
     model_config = (overrides or {}).get("model_config")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.layout import ModelShape, ParallelSpec, RolloutSpec, TrainSpec
+from rl.correction_setting import RolloutCorrection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,10 @@ class AlgorithmSpec:
     """--eps-clip-high: DAPO's clip-higher above 1."""
     use_tis: bool = True
     """--use-tis: truncated importance sampling on the train/rollout logprob mismatch (the seed turns it on)."""
+    rollout_correction: RolloutCorrection | None = None
+    """The whole rollout correction (rl/correction_setting.py); engines/train/miles/train_args.py `correction_args`
+    writes it as Miles' flags. None: the seed's, token TIS when use_tis (else none) with routing replay as
+    miles.rollout_routing_replay. Set, it decides --use-tis and --use-rollout-routing-replay itself."""
     optimizer: str = "adam"
     """--optimizer."""
     lr: float = 1e-6

@@ -148,12 +148,17 @@ def _check_one(name: str, t: RawTensor, specs: Mapping[str, ParamSpec], held: Ma
                                         "it, so the update is refused (check the exporter's name mapping)")
         return t
     want_quantized = spec.kind in ("fp8", "fp4")
-    if want_quantized != isinstance(t, QuantizedTensor):
-        raise WeightUpdateError(f"{source}: {name!r} arrived as {_form(t)} but is stored as "
-                                f"{'a quantized weight with its scale' if want_quantized else spec.kind}; "
-                                "re-export with `--format hf-fp8` (the serving checkpoint's storage)")
+    now = held[name] if held is not None else None
+    if want_quantized and not isinstance(t, QuantizedTensor) and t.dtype.is_floating_point and (
+            now is None or not isinstance(now, QuantizedTensor)):
+        return t  # an unquantized checkpoint (hf-bf16: the BF16 rollout), served and updated as such
+    if want_quantized != isinstance(t, QuantizedTensor) or (
+            isinstance(t, QuantizedTensor) and now is not None and not isinstance(now, QuantizedTensor)):
+        held_form = "unquantized (a BF16 start)" if now is not None and not isinstance(now, QuantizedTensor) else (
+            "a quantized weight with its scale" if want_quantized else spec.kind)
+        raise WeightUpdateError(f"{source}: {name!r} arrived as {_form(t)} but is stored as {held_form}; "
+                                "re-export in the serving checkpoint's storage (`--format hf-fp8` or hf-bf16)")
     if isinstance(t, QuantizedTensor):
-        now = held[name] if held is not None else None
         if isinstance(now, QuantizedTensor) and now.kind != t.kind:
             raise WeightUpdateError(
                 f"{source}: {name!r} arrived as {t.kind.upper()} but the engine holds it as {now.kind.upper()} "

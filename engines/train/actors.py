@@ -69,7 +69,8 @@ class TrainerWorker:
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (self.base_dir / name).exists():
                     shutil.copy(self.base_dir / name, tok)
-            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(), weight_format="fp8",
+            save_hf_checkpoint(out, self.cfg, self.trainer.native_state(),
+                               weight_format=self.trainer.config.rollout_weight_format,
                                expert_dtype=self.trainer.config.rollout_expert_dtype, scale_fmt="ue8m0",
                                tokenizer_dir=tok, overwrite=True)
 

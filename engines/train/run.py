@@ -53,7 +53,7 @@ OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold"
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
 NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto",
                       "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label",
-                      "rollout_correction": RolloutCorrection().to_dict()}
+                      "rollout_correction": RolloutCorrection().to_dict(), "rollout_weights": "fp8"}
 """Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
 EXPERT_DTYPES = ("fp8", "fp4")
 """Routed-expert storage a rollout engine can serve (checkpoints.hf: FP8 128x128 blocks, FP4 E2M1 + UE8M0 1x32)."""
@@ -90,6 +90,9 @@ class TrainRunConfig:
     from the base re-stored in this format (converted once, logged, when the base stores experts otherwise), the
     trainer exports in it and its quantization-aware forward uses it. fp8 as on the cluster; fp4 measured as good
     over the first steps (`_rollout_start_weights` has the numbers)."""
+    rollout_weights: str = "fp8"
+    """How the rollout engine serves the linears: fp8 (the cluster's FP8 rollout, 128x128 blocks) or bf16
+    (unquantized, the BF16-rollout baseline of `v4rl bench learning`; needs quantization_aware off)."""
     loop: LoopConfig = field(default_factory=tiny_loop)
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     """How the loss corrects the train/rollout logprob mismatch (rl/corrections.py): the seed's token TIS by
@@ -146,6 +149,11 @@ class TrainRunConfig:
         if self.save_interval < 1:
             raise ValueError(f"save_interval={self.save_interval}: give 1 or more (a checkpoint every that many "
                              "steps, and at the last step)")
+        if self.rollout_weights not in ("fp8", "bf16"):
+            raise ValueError(f"rollout_weights={self.rollout_weights!r}: choose fp8 (FP8 rollout) or bf16 (unquantized)")
+        if self.rollout_weights == "bf16" and self.quantization_aware:
+            raise ValueError("rollout_weights='bf16' serves unquantized weights, so there is no FP8 rounding for the "
+                             "quantization-aware forward to reproduce; set quantization_aware False")
         if self.rollout_expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"rollout_expert_dtype={self.rollout_expert_dtype!r} is not a routed-expert storage the "
                              f"rollout engine serves; choose one of {', '.join(EXPERT_DTYPES)}")
@@ -280,14 +288,16 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                         trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
                                         "recompute": config.recompute,
                                         "quantization_aware": config.quantization_aware,
-                                        "rollout_expert_dtype": config.rollout_expert_dtype},
+                                        "rollout_expert_dtype": config.rollout_expert_dtype,
+                                        "rollout_weight_format": config.rollout_weights},
                         grpo_config={"rollout_correction": config.rollout_correction.to_dict()},
                         seed=config.loop.seed)
-    serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log)
-    replay = config.rollout_correction.routing_replay  # the rollout returns its routes, the trainer replays them
+    serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log,
+                                            weight_format=config.rollout_weights)
+    # the rollout always returns its routes: the trainer logs train/router_mismatch_frac with replay off too (#29)
     workers = _workers(config, Path(run_dir).name, trainer_args,
                        {"model_dir": str(serving), "api_key": api_key,
-                        "engine_config": {"enable_return_routed_experts": True} if replay else None})
+                        "engine_config": {"enable_return_routed_experts": True}})
     stop = stop or StopRequest()
     stop.check()
     with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call), _stoppable(stop, workers):
@@ -295,7 +305,7 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                               generate_timeout=config.call_timeout_s, update_timeout=config.call_timeout_s)
         if api_key:
             _check_protected(client, log)
-        top_k = json.loads((serving / "config.json").read_text())["num_experts_per_tok"] if replay else None
+        top_k = json.loads((serving / "config.json").read_text())["num_experts_per_tok"]
         rollout = HTTPRollout(client, routed_experts_top_k=top_k)
         resumed = call(trainer.resume, "resuming the trainer")
         start = resumed["step"]
@@ -394,7 +404,7 @@ def no_signal_warning(step: int, metrics: dict, config: TrainRunConfig) -> str:
 
 
 def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
-                           log: Callable[[str], None] = print) -> tuple[Path, bool]:
+                           log: Callable[[str], None] = print, *, weight_format: str = "fp8") -> tuple[Path, bool]:
     """The directory the rollout engine starts from: the base with its routed experts stored as `expert_dtype`,
     the format every later update carries (TrainRunConfig.rollout_expert_dtype). A base that stores experts
     another way (the bootstrap base: FP4) is converted here, once per run, and the conversion is logged; the
@@ -416,7 +426,7 @@ def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
         return current, False
     stored = read_config(base)[1].get("expert_dtype") or "fp4"
     cfg, native = load_hf_checkpoint(base)
-    save_hf_checkpoint(current, cfg, native, weight_format="fp8", expert_dtype=expert_dtype, scale_fmt="ue8m0",
+    save_hf_checkpoint(current, cfg, native, weight_format=weight_format, expert_dtype=expert_dtype, scale_fmt="ue8m0",
                        tokenizer_dir=base, overwrite=True)
     if stored != expert_dtype:
         log(f"rollout start: the base {base} stores routed experts as {stored.upper()}; converted once to "

@@ -52,6 +52,9 @@ class TrainerConfig:
     rollout_expert_dtype: str = "fp8"
     """Routed-expert format of the rollout weights (fp8 | fp4): what the quantization-aware forward reproduces and
     what the weight export writes (engines/train/actors.py), so both match the rollout engine's start format."""
+    rollout_weight_format: str = "fp8"
+    """How the rollout weights store their linears (fp8 | bf16): what the weight export writes. bf16 is the
+    unquantized BF16 rollout (no quantization-aware forward then: nothing is rounded to reproduce)."""
     threads: int | None = None
     """Intra-op CPU threads while the trainer computes (set for each step and scoring call, restored after, so a
     rollout engine in the same process keeps its own setting). None: every core (os.cpu_count()). Ray gives an

@@ -124,12 +124,26 @@ def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec,
         "save": job.save_dir, "save_interval": m.save_interval,
         # Miles loads --load only when it holds a tracker, else --ref-load as a finetune start (arguments.py)
         "load": job.save_dir if has_tracker else job.ref_load, "ref_load": job.ref_load,
-        "use_tis": preset.algorithm.use_tis, "optimizer_cpu_offload": t.optimizer_offload > 0,
+        **correction_values(preset), "optimizer_cpu_offload": t.optimizer_offload > 0,
         "optimizer_offload_fraction": t.optimizer_offload if 0 < t.optimizer_offload < 1 else 1.0,
         "bf16": True, "fp8": "e4m3" if m.fp8_training else None,
-        "use_rollout_routing_replay": m.rollout_routing_replay, "use_fault_tolerance": m.fault_tolerance,
+        "use_fault_tolerance": m.fault_tolerance,
         "deterministic_mode": m.deterministic, "qkv_format": "bshd", "lr": preset.algorithm.lr,
     }
+
+
+def correction_values(preset: RunPreset) -> dict[str, Any]:
+    """What Miles must resolve the rollout correction's flags to (train_args.correction_args), and the custom TIS
+    function it must be able to import (the probe imports it with Miles' own load_function)."""
+    from engines.train.miles.train_args import ICEPOP_FUNCTION, preset_correction
+
+    c = preset_correction(preset)
+    weighted = c.mode in ("tis", "icepop")
+    low, high = c.clip_bounds if weighted else (0.0, 2.0)
+    return {"use_tis": weighted, "tis_clip": high, "tis_clip_low": low,
+            "custom_tis_function_path": ICEPOP_FUNCTION if c.mode == "icepop" else None,
+            "use_opsm": c.opsm, "opsm_delta": c.opsm_delta if c.opsm else 1e-4,
+            "use_rollout_routing_replay": c.routing_replay}
 
 
 def compare_resolved(expected: dict[str, Any], resolved: dict[str, Any]) -> list[str]:

@@ -13,12 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engines.train.miles.model_args import num
+from rl.correction_setting import MIS_ALTERNATIVE, MIS_EXAMPLE
 
 if TYPE_CHECKING:
     from engines.layout import ClusterSpec
     from engines.profiles import HardwareProfile
     from engines.presets.spec import RunPreset
     from engines.train.miles.command import MilesJob
+    from rl.correction_setting import RolloutCorrection
 
 DYNAMIC_SAMPLING_FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
 OVER_SAMPLING_BATCH_SIZE = 512
@@ -66,13 +68,47 @@ def optimizer_args(preset: "RunPreset") -> list[str]:
     return args + (["--no-offload-train"] if preset.miles.offload_train is False else [])
 
 
+ICEPOP_FUNCTION = "miles.backends.training_utils.loss_hub.corrections.icepop_function"
+"""--custom-tis-function-path of IcePop (Miles' own token mask, in both DeepSeek-V4 generations)."""
+MILES_TIS_CLIP = (0.0, 2.0)
+"""Miles' defaults of --tis-clip-low / --tis-clip (arguments.py): bounds equal to them are not written."""
+
+
+def preset_correction(preset: "RunPreset") -> "RolloutCorrection":
+    """The preset's rollout correction: AlgorithmSpec.rollout_correction, or the seed's (use_tis, R3 setting)."""
+    from rl.correction_setting import RolloutCorrection
+
+    if preset.algorithm.rollout_correction is not None:
+        return preset.algorithm.rollout_correction
+    return RolloutCorrection(mode="tis" if preset.algorithm.use_tis else "none",
+                             routing_replay=preset.miles.rollout_routing_replay)
+
+
+def correction_args(preset: "RunPreset") -> list[str]:
+    """The rollout correction as Miles' flags: tis `--use-tis` with the clip bounds, icepop the same with Miles'
+    `icepop_function`, OPSM `--use-opsm --opsm-delta`; routing replay goes with misc_args. The MIS modes need
+    Miles' MIS example, which the pinned Miles trees lack: refused with one line naming the alternative."""
+    c = preset_correction(preset)
+    if c.mode in MIS_ALTERNATIVE:
+        raise ValueError(f"preset {preset.name}: rollout_correction {c.mode!r} needs Miles' {MIS_EXAMPLE} "
+                         f"(mis.py), which the pinned Miles generations do not carry; use "
+                         f"{MIS_ALTERNATIVE[c.mode]!r} on the cluster, or run {c.mode} on tiny-cpu")
+    args: list[str] = []
+    if c.mode in ("tis", "icepop"):
+        low, high = c.clip_bounds
+        args += ["--use-tis"] + (["--tis-clip", num(high)] if high != MILES_TIS_CLIP[1] else [])
+        args += ["--tis-clip-low", num(low)] if low != MILES_TIS_CLIP[0] else []
+        args += ["--custom-tis-function-path", ICEPOP_FUNCTION] if c.mode == "icepop" else []
+    return args + (["--use-opsm", "--opsm-delta", num(c.opsm_delta)] if c.opsm else [])
+
+
 def grpo_args(preset: "RunPreset") -> list[str]:
-    """The policy-gradient loss: GRPO advantages, clip range, KL/entropy terms, TIS."""
+    """The policy-gradient loss: GRPO advantages, clip range, KL/entropy terms, the rollout correction."""
     a = preset.algorithm
     args = ["--advantage-estimator", a.advantage_estimator, "--kl-loss-coef", num(a.kl_loss_coef),
             "--kl-loss-type", a.kl_loss_type, "--entropy-coef", num(a.entropy_coef), "--eps-clip", num(a.eps_clip),
             "--eps-clip-high", num(a.eps_clip_high)]
-    return args + (["--use-tis"] if a.use_tis else [])
+    return args + correction_args(preset)
 
 
 def wandb_args(job: "MilesJob") -> list[str]:
@@ -238,7 +274,7 @@ def misc_args(preset: "RunPreset", cluster: "ClusterSpec", profile: "HardwarePro
             "--rollout-health-check-interval", "300", "--rollout-health-check-timeout", "300"]
     args += ["--colocate"] if cluster.colocated else ["--rollout-num-gpus", str(cluster.rollout_gpus)]
     args += ["--use-fault-tolerance"] if m.fault_tolerance else []
-    args += ["--use-rollout-routing-replay"] if m.rollout_routing_replay else []
+    args += ["--use-rollout-routing-replay"] if preset_correction(preset).routing_replay else []
     args += ["--deterministic-mode"] if m.deterministic else []
     if not m.fp8_training:
         return args + ["--bf16"]

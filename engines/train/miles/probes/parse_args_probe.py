@@ -40,6 +40,8 @@ RESOLVED = (
     "debug_train_only", "debug_disable_optimizer", "load_debug_rollout_data", "save_debug_train_data",
     # Miles' second DeepSeek-V4 generation (e9e19b223): implementation and the pipeline layout string
     "dsv4_impl", "experimental_attention_variant", "dsa_kernel_backend", "pipeline_model_parallel_layout",
+    # the rollout correction (engines/train/miles/train_args.py correction_args)
+    "tis_clip", "tis_clip_low", "custom_tis_function_path", "use_opsm", "opsm_delta",
 )
 
 
@@ -103,6 +105,15 @@ def probe(request: dict) -> dict:
                 "traceback": traceback.format_exc()[-4000:]}
     resolved = {key: _jsonable(getattr(args, key, None)) for key in RESOLVED}
     resolved["eval_datasets"] = _jsonable(getattr(args, "eval_datasets", None))
+    if getattr(args, "custom_tis_function_path", None):
+        try:  # what Miles' loss does with the path (loss_hub: load_function(args.custom_tis_function_path))
+            from miles.utils.misc import load_function
+
+            resolved["custom_tis_function"] = getattr(load_function(args.custom_tis_function_path), "__name__", "?")
+        except Exception as exc:  # the path names no importable function in this Miles
+            return {"accepted": False, "stage": "validate", "rejected": [], "resolved": resolved,
+                    "error": f"--custom-tis-function-path {args.custom_tis_function_path}: {type(exc).__name__}: "
+                             f"{exc}"}
     if request.get("build_config"):
         try:  # what Miles' model provider does first on every rank: Megatron's TransformerConfig from args
             with contextlib.redirect_stdout(log):

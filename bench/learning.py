@@ -1,0 +1,179 @@
+"""`v4rl bench learning --json OUT [--arms A,B] [--seeds N] [--steps N]`: does FP8 rollout with a correction learn
+like BF16 rollout? (issue 29)
+
+Every arm is a real embedded run (engines.train.run.run_training, what `v4rl train` runs: rollout server over
+HTTP, trainer, weight sync every step) on tiny-cpu, from the same base, on the same prompts in the same order and
+with the same held-out evaluation for a given seed (the loop's seed sets data order, sampling and evaluation):
+
+  bf16-tis      unquantized BF16 rollout (TrainRunConfig.rollout_weights bf16) + token TIS: the baseline
+  fp8-none      FP8 rollout, no correction (the mismatch measured only)
+  fp8-tis       FP8 rollout + token TIS (the seed's)
+  fp8-icepop    FP8 rollout + IcePop (token mask outside [0.5, 2])
+  fp8-geo-mask  FP8 rollout + geometric sequence masking with the veto (Miles' MIS)
+  fp8-opsm      FP8 rollout + off-policy sequence masking only (DeepSeek-V3.2's OPSM, delta 1e-4)
+  fp8-r3-tis    FP8 rollout + routing replay + token TIS
+
+Per arm and evaluation: held-out pass@1 and pass@8, mean and standard error across seeds (null with one seed);
+per arm: mean |Δlogprob| train vs rollout, masked token / sequence shares, router mismatch, seconds per step.
+OUT is written to a temporary name and renamed; the curves go to <OUT stem>.png beside it.
+
+    v4rl bench learning --json runs/bench/learning.json --seeds 3 --steps 30
+    v4rl bench learning --json /tmp/l.json --arms bf16-tis,fp8-tis --seeds 1 --steps 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/e2e.py: spin-waiting libgomp on a loaded machine
+
+from bench import load_average, machine_info  # noqa: E402
+from rl.correction_setting import RolloutCorrection  # noqa: E402
+
+ARMS: dict[str, tuple[str, RolloutCorrection]] = {
+    "bf16-tis": ("bf16", RolloutCorrection(mode="tis")),
+    "fp8-none": ("fp8", RolloutCorrection(mode="none")),
+    "fp8-tis": ("fp8", RolloutCorrection(mode="tis")),
+    "fp8-icepop": ("fp8", RolloutCorrection(mode="icepop")),
+    "fp8-geo-mask": ("fp8", RolloutCorrection(mode="geo-mask")),
+    "fp8-opsm": ("fp8", RolloutCorrection(mode="none", opsm=True)),
+    "fp8-r3-tis": ("fp8", RolloutCorrection(mode="tis", routing_replay=True)),
+}
+"""Arm name -> (rollout weights, rollout correction)."""
+STEP_METRICS = {"abs_dlogprob": "train/train_rollout_logprob_abs_diff",
+                "masked_token_frac": "train/correction_masked_token_frac",
+                "masked_seq_frac": "train/correction_masked_seq_frac", "opsm_clipfrac": "train/opsm_clipfrac",
+                "router_mismatch_frac": "train/router_mismatch_frac", "step_seconds": "perf/step_time"}
+"""Per-step numbers averaged per arm (over steps and seeds) -> the metrics.jsonl key they come from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearningSettings:
+    """Sizes shared by every arm (tiny-cpu's by default)."""
+
+    steps: int = 30
+    """GRPO steps per run."""
+    seeds: int = 3
+    """Runs per arm, seeds 0 .. seeds-1 (each seed: its own data order, sampling and evaluation, shared by arms)."""
+    prompts_per_step: int = 128
+    """Prompts per step (tiny-cpu's 128)."""
+    n_samples: int = 8
+    """Samples per prompt."""
+    eval_interval: int = 5
+    """Evaluate every this many steps (and at step 0)."""
+    n_eval: int = 200
+    """Held-out problems per evaluation."""
+    eval_samples: int = 8
+    """Samples per held-out problem (8 or more: pass@8 is reported)."""
+    max_new_tokens: int = 8
+    lr: float = 1e-4
+    use_ray: bool = False
+    """Trainer and rollout as Ray actors (as `v4rl train`); False: in this process (the rollout still over HTTP),
+    less start-up per run on a small machine."""
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.seeds, self.prompts_per_step, self.n_samples, self.eval_interval, self.n_eval) < 1:
+            raise ValueError("bench learning: steps, seeds, prompts_per_step, n_samples, eval_interval and n_eval "
+                             "must all be 1 or more")
+        if self.eval_samples < 8:
+            raise ValueError(f"bench learning: eval_samples={self.eval_samples}; give 8 or more (pass@8 is reported)")
+
+
+def parse_arms(arms: str | list[str] | None) -> list[str]:
+    """The arms to run, in ARMS' order; a comma list or None (all). An unknown name is one line naming the known."""
+    if arms is None:
+        return list(ARMS)
+    names = [a.strip() for a in (arms.split(",") if isinstance(arms, str) else arms) if a.strip()]
+    unknown = [a for a in names if a not in ARMS]
+    if unknown or not names:
+        raise ValueError(f"--arms: unknown arm(s) {unknown or names}; choose from {', '.join(ARMS)}")
+    return [a for a in ARMS if a in names]
+
+
+def run_config(arm: str, seed: int, settings: LearningSettings, base: str | None = None):
+    """The TrainRunConfig of one arm and seed (only the rollout weights and the correction differ between arms)."""
+    from engines.train.run import TrainRunConfig
+
+    weights, correction = ARMS[arm]
+    default = TrainRunConfig()
+    loop = dataclasses.replace(default.loop, seed=seed, prompts_per_step=settings.prompts_per_step,
+                               n_samples=settings.n_samples, eval_interval=settings.eval_interval,
+                               eval_samples=settings.eval_samples, max_new_tokens=settings.max_new_tokens)
+    return TrainRunConfig(base=base or default.base, steps=settings.steps, save_interval=settings.steps,
+                          n_eval=settings.n_eval, lr=settings.lr, loop=loop, use_ray=settings.use_ray,
+                          rollout_weights=weights, quantization_aware=weights == "fp8", rollout_correction=correction,
+                          mismatch_action="alert")
+
+
+def _mean_se(values: list[float]) -> tuple[float, float | None]:
+    mean = sum(values) / len(values)
+    return mean, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None)
+
+
+def summarize(arm: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm over its seeds: pass@k per evaluated step (mean, se across seeds) and the per-step numbers."""
+    steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in runs)))
+    evals = []
+    for step in steps:
+        row: dict[str, Any] = {"step": step}
+        for k in ("pass@1", "pass@8"):
+            row[k], row[f"{k}_se"] = _mean_se([next(e[k] for e in r["evals"] if e["step"] == step) for r in runs])
+        evals.append(row)
+    per_step: dict[str, float | None] = {}
+    for name, key in STEP_METRICS.items():
+        values = [row[key] for r in runs for row in r["metrics"] if key in row]
+        per_step[name] = sum(values) / len(values) if values else None
+    weights, correction = ARMS[arm]
+    return {"arm": arm, "rollout_weights": weights, "correction": correction.to_dict(), "seeds": len(runs),
+            "evals": evals, **per_step}
+
+
+def _run_one(arm: str, seed: int, settings: LearningSettings, run_dir: Path, base: str | None) -> dict[str, Any]:
+    from engines.train.run import run_training
+
+    started = time.monotonic()
+    summary = run_training(run_dir, run_config(arm, seed, settings, base), log=lambda m: None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"seed": seed, "evals": summary["evals"], "metrics": rows, "wall_seconds": time.monotonic() - started}
+
+
+def main(json_out: Path, *, steps: int | None = None, arms: str | list[str] | None = None, seeds: int | None = None,
+         settings: LearningSettings | None = None, work_dir: Path | None = None, base: str | None = None,
+         log=print) -> dict[str, Any]:
+    """Run every arm x seed, write OUT (JSON) and its PNG; `work_dir` keeps the runs (default: a temp dir)."""
+    from bench.learning_plot import plot_learning
+
+    settings = settings or LearningSettings()
+    settings = dataclasses.replace(settings, **{k: v for k, v in (("steps", steps), ("seeds", seeds)) if v})
+    names, json_out = parse_arms(arms), Path(json_out)
+    if work_dir and Path(work_dir).exists() and any(Path(work_dir).iterdir()):
+        raise ValueError(f"work_dir {work_dir} is not empty; run_training would resume the runs found there")
+    machine = machine_info()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="v4rl-bench-learning-") as tmp:
+        work = Path(work_dir) if work_dir else Path(tmp)
+        for arm in names:
+            runs = []
+            for seed in range(settings.seeds):
+                runs.append(_run_one(arm, seed, settings, work / arm / f"seed-{seed}", base))
+                last = runs[-1]["evals"][-1]
+                log(f"{arm} seed {seed}: pass@1 {last['pass@1']:.3f} at step {last['step']} "
+                    f"({runs[-1]['wall_seconds']:.0f} s)")
+            results.append(summarize(arm, runs))
+    result = {"settings": dataclasses.asdict(settings), "arms": results, "machine": machine,
+              "load_avg_1m_at_end": load_average()}
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = json_out.with_name(f".{json_out.name}.tmp")
+    tmp_out.write_text(json.dumps(result, indent=2))
+    os.replace(tmp_out, json_out)
+    result["plot"] = str(plot_learning(result, json_out.with_suffix(".png")))
+    return result
