@@ -51,8 +51,46 @@ def test_port_in_use_names_the_flag():
 
 
 def test_unbuilt_stage_is_refused():
-    with pytest.raises(RehearsalError, match="only `rollout`"):
-        rehearse(RehearsalRequest(stage="train"))
+    with pytest.raises(RehearsalError, match="built are rollout and train"):
+        rehearse(RehearsalRequest(stage="full"))
+
+
+def test_missing_rollout_data_is_one_line(miles_gen2_tree, tmp_path):
+    with pytest.raises(RehearsalError) as err:
+        rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), rollout_data=str(tmp_path / "no")))
+    assert str(err.value).startswith("--rollout-data ") and "no such directory" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_rollout_data_without_every_rollout_names_the_missing_dump(miles_gen2_tree, tmp_path):
+    (tmp_path / "rollout_0.pt").write_bytes(b"")
+    with pytest.raises(RehearsalError, match=r"lacks Miles' dump rollout_1.pt \(--num-rollout 2\)"):
+        rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), rollout_data=str(tmp_path)))
+
+
+def test_train_job_trains_on_the_rollout_stages_dump(tmp_path):
+    """Stage rollout saves Miles' own dump; stage train loads the same template, --debug-train-only, CPU init."""
+    from engines.presets.runs import SEED_RUN
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(tiny_miles_config().to_hf_dict()))
+    paths = RehearsalPaths(hf, tmp_path / "t.jsonl", tmp_path / "e.jsonl", tmp_path)
+    rollout = rehearsal_job(SEED_RUN, paths, engine_addr=ENGINE, context_length=4096, stage="rollout").argv
+    train = rehearsal_job(SEED_RUN, paths, engine_addr=ENGINE, context_length=4096, stage="train").argv
+    dump = str(tmp_path / "rollout-data" / "rollout_{rollout_id}.pt")
+    assert rollout[rollout.index("--save-debug-rollout-data") + 1] == dump
+    assert train[train.index("--load-debug-rollout-data") + 1] == dump
+    assert {"--debug-train-only", "--use-cpu-initialization"} <= set(train) and "--debug-rollout-only" not in train
+
+
+def test_a_miles_failure_names_the_innermost_miles_frame(tmp_path):
+    from engines.rehearsal.run import _miles_frame
+
+    text = ('Traceback (most recent call last):\n  File "/x/miles/ray/train/group.py", line 12, in a\n'
+            '  File "/x/megatron/core/optimizer/__init__.py", line 99, in b\n  File "/usr/lib/torch/x.py", line 1\n'
+            "ValueError: boom\n")
+    assert _miles_frame(text, tmp_path) == " at megatron/core/optimizer/__init__.py:99"
 
 
 def _job(tmp_path):
