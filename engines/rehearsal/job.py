@@ -162,6 +162,10 @@ TRAIN_CHANGES: list[tuple[str, object, str]] = [
     ("--debug-train-only", True, "stage 2: Miles' Megatron actor trains on saved rollouts; no engine, no broadcast"),
     ("--use-cpu-initialization", True, "Megatron allocates the model on the CPU (no GPU to initialise on)"),
     ("--no-gradient-accumulation-fusion", True, "the fused wgrad accumulation is a CUDA kernel (TE/apex)"),
+    ("--optimizer-cpu-offload", False, "the optimizer already lives on the host: nothing to offload"),
+    ("--use-precision-aware-optimizer", False, "needs TE's FusedAdam (a GPU kernel); Megatron falls back to torch's "
+                                               "AdamW on bf16 params with fp32 main params"),
+    ("--overlap-cpu-optimizer-d2h-h2d", False, "goes with --optimizer-cpu-offload"),
 ]
 """Stage train's device flags: what Megatron needs to build, load and train Miles' model on a CPU."""
 

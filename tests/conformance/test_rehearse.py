@@ -220,3 +220,26 @@ def test_a_request_the_engine_refuses_stops_miles_at_once_with_the_engines_reaso
     assert time.monotonic() - started < 10
     assert error.startswith("v4rl's engine refused Miles' request: POST /generate: HTTP 400") and \
         "needs the server flag" in error, error
+
+
+LOGPROB_DIFF_BOUND = 0.05
+"""Bound on Miles' train/train_rollout_logprob_abs_diff (mean |train logprob - engine rollout logprob| per token)
+for the tiny model: the same weights through two bf16 implementations (v4rl's engine from the FP8 checkpoint,
+Megatron's bf16 model from v4rl's conversion). See docs/rehearsal.md (Status) for how it was measured."""
+
+
+@pytest.mark.slow
+def test_train_stage_trains_miles_megatron_actor_on_the_rollout_stages_data(miles_gen2_tree, sglang_paths, tmp_path):
+    import math
+
+    report = rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), work_dir=str(tmp_path),
+                                       dsv4_impl="megatron", timeout_s=900))
+    assert report.stages["rollout"]["ok"], report.stages["rollout"]["error"]
+    assert report.stages["train"]["ok"], report.stages["train"]["error"]
+    for rollout in ("0", "1"):
+        values = report.rollouts[rollout]
+        for name in ("train/loss", "train/grad_norm", "train/tis", "train/tis_clipfrac",
+                     "train/train_rollout_logprob_abs_diff"):
+            assert math.isfinite(values[name]), (rollout, name, values.get(name))
+        assert values["train/train_rollout_logprob_abs_diff"] < LOGPROB_DIFF_BOUND, values
+    assert {"--debug-train-only", "--load-debug-rollout-data"} <= {s.name for s in report.substitutions}

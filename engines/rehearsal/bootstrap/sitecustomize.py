@@ -102,6 +102,24 @@ def _cpu_device(_module):
         import runpy
 
         runpy.run_path(kernels, run_name="numeric_standins")
+        _cuda_tensor_types()
+
+
+def _cuda_tensor_types() -> None:
+    """Megatron's mixed-precision optimizers accept only parameters whose `tensor.type()` names a CUDA type
+    (core/optimizer/distrib_optimizer.py, optimizer.py: 'torch.cuda.BFloat16Tensor', ...); the device stand-in keeps
+    "CUDA" tensors on the CPU, so a CPU tensor names the CUDA type it stands for. Calls with a type still convert."""
+    import torch
+
+    real = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        name = real(self, dtype, non_blocking, **kwargs)
+        if dtype is None and self.device.type == "cpu" and name.startswith("torch.") and "cuda" not in name:
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_
 
 
 def _empty_device_memory(total: int) -> None:
@@ -185,6 +203,21 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _NoFusedOptimizers(importlib.abc.MetaPathFinder):
+    """Stage train: TE's and apex's fused optimizers (GPU kernels) are absent, as on a machine without them, so
+    Megatron takes its own fallback (megatron/core/optimizer/__init__.py, distrib_optimizer.py: torch's AdamW /
+    Adam); otherwise the GPU-only stubs would answer with a stub FusedAdam."""
+
+    NAMES = ("transformer_engine.pytorch.optimizers", "apex.optimizers", "apex")
+
+    def find_spec(self, name, path, target=None):
+        if name in self.NAMES:
+            raise ModuleNotFoundError(f"No module named {name!r} (v4rl rehearsal: no fused GPU optimizers)")
+        return None
+
+
+if os.environ.get("V4RL_REHEARSAL_KERNELS"):
+    sys.meta_path.insert(0, _NoFusedOptimizers())
 sys.meta_path.insert(0, _AfterImport())
 dataclasses.fields = _struct_fields(dataclasses.fields)
 
