@@ -3,6 +3,7 @@
 
     v4rl rehearse --stage rollout                         # the vendored Miles pins where ../shared/vendor exists
     v4rl rehearse --miles-dir ~/miles --megatron-dir ~/Megatron-LM --json rehearsal.json
+    v4rl rehearse --stage train --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron   # rollout, then train
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ def register(app: typer.Typer) -> None:
     @app.command("rehearse")
     def rehearse_cmd(
         stage: str = typer.Option("rollout", help="rollout: Miles' train.py --debug-rollout-only against v4rl's "
-                                                  "engine (generate, reward, eval pass@k)."),
+                                                  "engine (generate, reward, eval pass@k); train: Miles' Megatron "
+                                                  "actor trains on those rollouts (--debug-train-only), after a "
+                                                  "rollout stage unless --rollout-data is given."),
+        rollout_data: Path = typer.Option(None, help="Stage train: the rollout-data/ folder of an earlier rollout "
+                                                     "stage (Miles' rollout_<id>.pt dumps)."),
+        dsv4_impl: str = typer.Option(None, help="Generation 2: miles | megatron (Megatron's own PyTorch "
+                                                 "attention, --dsa-kernel-backend none)."),
         miles_dir: Path = typer.Option(None, envvar="V4RL_MILES_DIR",
                                        help="Miles checkout (default: the vendored pin where ../shared/vendor exists)."),
         megatron_dir: Path = typer.Option(None, envvar="V4RL_MEGATRON_DIR",
@@ -37,7 +44,8 @@ def register(app: typer.Typer) -> None:
         req = RehearsalRequest(stage=stage, miles_dir=str(miles_dir) if miles_dir else None,
                                megatron_dir=str(megatron_dir) if megatron_dir else None,
                                work_dir=str(work_dir) if work_dir else None, engine_port=engine_port,
-                               ray_port=ray_port, timeout_s=timeout)
+                               ray_port=ray_port, timeout_s=timeout,
+                               rollout_data=str(rollout_data) if rollout_data else None, dsv4_impl=dsv4_impl)
         try:
             report = rehearse(req, log=lambda line: typer.echo(line, err=True))
         except RehearsalError as exc:

@@ -36,7 +36,13 @@ class RehearsalPaths:
     train_data: Path
     eval_data: Path
     work: Path
-    """--save/--load, ref-load placeholder and Miles' logs live under it."""
+    """--save/--load, --ref-load (v4rl's converted torch_dist, stage train) and Miles' logs live under it."""
+    rollout_data: Path | None = None
+    """Miles' `--save-debug-rollout-data` (stage rollout) / `--load-debug-rollout-data` (stage train) directory:
+    one `rollout_<id>.pt` per rollout, Miles' own dump (default: <work>/rollout-data)."""
+
+    def rollout_template(self) -> str:
+        return str((self.rollout_data or self.work / "rollout-data") / "rollout_{rollout_id}.pt")
 
 
 @dataclass(frozen=True)
@@ -82,19 +88,11 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         ("--hf-checkpoint", str(paths.hf_checkpoint), "the tiny checkpoint, served by v4rl's engine"),
         ("--prompt-data", str(paths.train_data), "a few prompts in Miles' format (same --input-key/--label-key)"),
         ("--eval-prompt-data", ["aime", str(paths.eval_data)], "a few eval prompts under the cluster's dataset name"),
-        ("--ref-load", str(paths.work / "ref"), "work dir of this rehearsal"),
+        ("--ref-load", str(paths.work / "ref"), "v4rl's torch_dist conversion of the tiny checkpoint "
+                                                "(checkpoints/convert.py, the names of this Miles generation)"),
         ("--load", str(paths.work / "save"), "work dir of this rehearsal"),
         ("--save", str(paths.work / "save"), "work dir of this rehearsal"),
         *[(f"--{k.replace('_', '-')}", v, "sizes a CPU decodes in about a minute") for k, v in ROLLOUT_SIZES.items()],
-        ("--rollout-num-gpus-per-engine", 1, "v4rl's engine is one process on one device"),
-        ("--sglang-tp-size", 1, "v4rl's engine is one process on one device"),
-        ("--sglang-ep-size", 1, "v4rl's engine is one process on one device"),
-        ("--sglang-context-length", context_length, "the engine's context length (the tiny model's positions)"),
-        ("--rollout-external", True, "v4rl's engine is Miles' SGLang: Miles uses engines it did not launch"),
-        ("--rollout-external-engine-addrs", engine_addr, "`v4rl serve-rollout` on 127.0.0.1"),
-        ("--worker-urls", f"http://{engine_addr}", "Miles registers no external engine with the router it launches "
-                                                   "(sglang_engine.py _init_external): the router gets it at start"),
-        ("--router-prometheus-host", "127.0.0.1", "the router's metrics bind 0.0.0.0 by default; loopback only"),
         ("--actor-num-nodes", 1, "one machine (Ray logical GPUs)"),
         ("--actor-num-gpus-per-node", 1, "one machine (Ray logical GPUs)"),
         ("--num-gpus-per-node", 1, "one machine (Ray logical GPUs)"),
@@ -110,8 +108,15 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         ("--expert-model-parallel-size", 1, "one logical GPU for the actor"),
         ("--distributed-backend", "gloo", "no NCCL/RCCL on a CPU: Megatron's process groups are gloo"),
     ]
+    changes += _engine_changes(engine_addr, context_length)  # stage train starts no engine: Miles' parser still checks them
     if stage == "rollout":
-        changes.append(("--debug-rollout-only", True, "stage 1: Miles generates, rewards and evaluates; no actor"))
+        changes += [("--debug-rollout-only", True, "stage 1: Miles generates, rewards and evaluates; no actor"),
+                    ("--save-debug-rollout-data", paths.rollout_template(),
+                     "stage 1 keeps Miles' own dump of each rollout (samples, rollout logprobs) for stage train")]
+    elif stage == "train":
+        changes += TRAIN_CHANGES + [
+            ("--load-debug-rollout-data", paths.rollout_template(),
+             "stage 2 trains on stage 1's samples (Miles' own dump); Miles starts no SGLang engine")]
     for flag, value, why in changes:
         before = parse_flags(argv).get(flag)
         shown = "(absent)" if value is False else "(set)" if value is True else _show(
@@ -136,6 +141,33 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     subs.append(Substitution("NCCL_*/RCCL, *_SOCKET_IFNAME", "the cluster's", "(dropped)",
                              "no GPUs, no fabric: process groups are gloo on 127.0.0.1"))
     return RehearsalJob(argv=argv, env=env, substitutions=subs)
+
+
+def _engine_changes(engine_addr: str, context_length: int) -> list[tuple[str, object, str]]:
+    """v4rl's engine as Miles' external SGLang (the stages that generate)."""
+    return [
+        ("--rollout-num-gpus-per-engine", 1, "v4rl's engine is one process on one device"),
+        ("--sglang-tp-size", 1, "v4rl's engine is one process on one device"),
+        ("--sglang-ep-size", 1, "v4rl's engine is one process on one device"),
+        ("--sglang-context-length", context_length, "the engine's context length (the tiny model's positions)"),
+        ("--rollout-external", True, "v4rl's engine is Miles' SGLang: Miles uses engines it did not launch"),
+        ("--rollout-external-engine-addrs", engine_addr, "`v4rl serve-rollout` on 127.0.0.1"),
+        ("--worker-urls", f"http://{engine_addr}", "Miles registers no external engine with the router it launches "
+                                                   "(sglang_engine.py _init_external): the router gets it at start"),
+        ("--router-prometheus-host", "127.0.0.1", "the router's metrics bind 0.0.0.0 by default; loopback only"),
+    ]
+
+
+TRAIN_CHANGES: list[tuple[str, object, str]] = [
+    ("--debug-train-only", True, "stage 2: Miles' Megatron actor trains on saved rollouts; no engine, no broadcast"),
+    ("--use-cpu-initialization", True, "Megatron allocates the model on the CPU (no GPU to initialise on)"),
+    ("--no-gradient-accumulation-fusion", True, "the fused wgrad accumulation is a CUDA kernel (TE/apex)"),
+    ("--optimizer-cpu-offload", False, "the optimizer already lives on the host: nothing to offload"),
+    ("--use-precision-aware-optimizer", False, "needs TE's FusedAdam (a GPU kernel); Megatron falls back to torch's "
+                                               "AdamW on bf16 params with fp32 main params"),
+    ("--overlap-cpu-optimizer-d2h-h2d", False, "goes with --optimizer-cpu-offload"),
+]
+"""Stage train's device flags: what Megatron needs to build, load and train Miles' model on a CPU."""
 
 
 def _profile(preset: RunPreset):

@@ -1,6 +1,7 @@
 """Miles' own logged rollout and eval metrics, read back from the rehearsal's driver log (miles.log).
 
-The lines are parsed by the cluster job's reader (engines/train/miles/metrics.py: `parse_metric_line`,
+Train-stage lines (`step N: {'train/loss': ..., 'train/grad_norm': ...}`, N the accumulated train step) join
+their rollout's row (N // --num-steps-per-rollout). The lines are parsed by the cluster job's reader (engines/train/miles/metrics.py: `parse_metric_line`,
 `eval_datasets`), names kept as Miles logs them. The cluster's MilesRecorder (results.py) is not used: it commits
 a row only once a rollout was trained, and `--debug-rollout-only` trains nothing.
 
@@ -25,7 +26,7 @@ class MilesMetrics:
     """[{"rollout": id, "datasets": {name: {"reward", "pass@k", ...}}}] in log order."""
 
 
-def read_metrics(log: Path) -> MilesMetrics:
+def read_metrics(log: Path, steps_per_rollout: int = 1) -> MilesMetrics:
     """What Miles logged in `log`; an absent log (Miles never started) reads as no metrics."""
     out = MilesMetrics()
     if not log.is_file():
@@ -35,7 +36,9 @@ def read_metrics(log: Path) -> MilesMetrics:
             record = parse_metric_line(line)
             if record is None:
                 continue
-            if record.kind in ROLLOUT_KINDS:
+            if record.kind == "step":  # Miles' train step (--num-steps-per-rollout 1: the rollout id)
+                out.rollouts.setdefault(str(record.index // steps_per_rollout), {}).update(record.metrics)
+            elif record.kind in ROLLOUT_KINDS:
                 out.rollouts.setdefault(str(record.index), {}).update(record.metrics)
             elif record.kind == "eval":
                 out.evals.append({"rollout": record.index, "datasets": eval_datasets(record.metrics)})
@@ -44,7 +47,8 @@ def read_metrics(log: Path) -> MilesMetrics:
 
 def metrics_summary(metrics: MilesMetrics) -> list[str]:
     """Terminal lines: one per rollout (a few of Miles' headline metrics), one per eval dataset."""
-    keys = ("rollout/raw_reward", "rollout/response_len/mean", "rollout/truncated_ratio", "perf/rollout_time")
+    keys = ("rollout/raw_reward", "rollout/response_len/mean", "rollout/truncated_ratio", "perf/rollout_time",
+            "train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/tis", "train/tis_clipfrac")
     lines = []
     for rollout, values in sorted(metrics.rollouts.items(), key=lambda kv: int(kv[0])):
         shown = ", ".join(f"{k}={values[k]:.4g}" for k in keys if k in values)

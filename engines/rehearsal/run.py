@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from engines.upstream import sources as src
 from engines.upstream.stubs import GPU_ONLY_ROOTS
-from engines.rehearsal.job import DEVICE, RehearsalPaths, Substitution, rehearsal_job
+from engines.rehearsal.job import DEVICE, ROLLOUT_SIZES, RehearsalPaths, Substitution, rehearsal_job
 from engines.rehearsal.metrics import read_metrics
 from engines.rehearsal.ray_session import RAY_ENV, RaySession
 from engines.rehearsal.tiny_model import make_tiny_checkpoint
@@ -37,7 +38,7 @@ STUB_ROOTS = (*GPU_ONLY_ROOTS, "sglang.srt.entrypoints.openai.encoding_dsv4", "s
               "mooncake")
 """GPU-only imports, plus modules of Miles' own SGLang branch upstream 0.5.23 lacks and Mooncake (Miles' P2P
 transfer engine): Miles imports them at module level, a rehearsal never calls them."""
-WORKAROUNDS = ("placement",)
+WORKAROUNDS = ("placement", "dashboard")
 """Miles defects the bootstrap works around (bootstrap/sitecustomize.py), each listed in the substitution table."""
 TRAIN_DATA = Path(__file__).resolve().parents[2] / "rl" / "sample_math.jsonl"
 ENGINE_START_S, MILES_TIMEOUT_S = 180.0, 900.0
@@ -56,6 +57,11 @@ class RehearsalRequest:
     engine_port: int = 0
     ray_port: int = 0
     timeout_s: float = MILES_TIMEOUT_S
+    """Seconds each stage's train.py may run."""
+    rollout_data: str | None = None
+    """Stage train: a directory of Miles' rollout dumps (rollout_<id>.pt) instead of running stage rollout first."""
+    dsv4_impl: str | None = None
+    """Generation 2: --dsv4-impl miles|megatron (default: the parser's first choice); generation 1 has only miles."""
 
 
 @dataclass
@@ -113,15 +119,16 @@ def write_data(work: Path) -> tuple[Path, Path]:
 
 
 def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalReport:
-    if req.stage != "rollout":
-        raise RehearsalError(f"--stage {req.stage}: only `rollout` is built so far (issue 28 stages train and full "
-                             "are not); use --stage rollout")
+    """Run `req.stage`: rollout; train (after a rollout stage unless `req.rollout_data` holds Miles' dumps)."""
+    if req.stage not in STAGES:
+        raise RehearsalError(f"--stage {req.stage}: built are {' and '.join(STAGES)} (issue 28's `full` loop is "
+                             "not); use --stage rollout or --stage train")
     from engines.presets.runs import SEED_RUN
 
     preset = preset or SEED_RUN
     miles, megatron, gen = resolve_trees(req)
-    engine_port = free_port(req.engine_port, "--engine-port")
-    ray_port = free_port(req.ray_port, "--ray-port")
+    given_data = _check_rollout_data(req.rollout_data, ROLLOUT_SIZES["num_rollout"]) if req.rollout_data else None
+    impl_args = _impl_args(miles, req.dsv4_impl)
     work = Path(req.work_dir or tempfile.mkdtemp(prefix="v4rl-rehearse-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     report = RehearsalReport(generation=gen, miles_dir=str(miles), work_dir=str(work))
@@ -131,37 +138,75 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         make_tiny_checkpoint(hf)
     train, evals = write_data(work)
     preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=gen))
+    stages = ["rollout"] if req.stage == "rollout" else (["train"] if given_data else ["rollout", "train"])
+    paths = RehearsalPaths(hf, train, evals, work, rollout_data=given_data)
+    for stage in stages:
+        if stage == "train" and not report.stages.get("rollout", {"ok": True})["ok"]:
+            report.stages["train"] = {"ok": False, "seconds": 0.0, "error": "not run: stage rollout failed"}
+            break
+        error, seconds = _run_stage(stage, req, preset, paths, miles, megatron, impl_args, report, log)
+        log_path = work / MILES_LOGS[stage]
+        metrics = read_metrics(log_path)
+        for rollout, values in metrics.rollouts.items():
+            report.rollouts.setdefault(rollout, {}).update(values)
+        report.evals += metrics.evals
+        if error is None and stage == "rollout" and not metrics.rollouts:
+            error = f"Miles exited without logging a rollout (see {log_path})"
+        if error is None and stage == "train":
+            error = _missing_train_metrics(metrics, ROLLOUT_SIZES["num_rollout"], log_path)
+        report.stages[stage] = {"ok": error is None, "seconds": seconds, "error": error}
+    return report
+
+
+STAGES = ("rollout", "train")
+MILES_LOGS = {"rollout": "miles.log", "train": "miles-train.log"}
+"""Miles' driver log of each stage, under the work dir."""
+TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/tis",
+                 "train/tis_clipfrac")
+"""Miles' own train metrics a train stage must log for every rollout (names as Miles logs them)."""
+
+
+def _run_stage(stage: str, req: RehearsalRequest, preset, paths: RehearsalPaths, miles: Path, megatron: Path,
+               impl_args: list[str], report: RehearsalReport, log) -> tuple[str | None, float]:
+    """One stage: its job, its own Ray head (and v4rl's engine for rollout), Miles' train.py; (error, seconds)."""
+    work, hf = paths.work, paths.hf_checkpoint
+    engine_port = free_port(req.engine_port, "--engine-port")
+    ray_port = free_port(req.ray_port, "--ray-port")
+    if stage == "train":
+        _convert_ref(hf, work / "ref", miles, log)
     try:
-        job = rehearsal_job(preset, RehearsalPaths(hf, train, evals, work), engine_addr=f"127.0.0.1:{engine_port}",
-                            stage=req.stage, context_length=_context_length(hf))
+        job = rehearsal_job(preset, paths, engine_addr=f"127.0.0.1:{engine_port}", stage=stage,
+                            context_length=_context_length(hf))
     except ValueError as exc:  # the cluster preset's job cannot be built for the tiny model (a layout rule's line)
         raise RehearsalError(f"the rehearsal job: {exc}") from None
-    argv = job.argv + dsv4_impl_args(detect_generation(miles))
-    report.substitutions = job.substitutions + [Substitution(
-        "miles/ray/placement_group.py _get_placement_group_layout", "(0, 0) bundles with --rollout-external "
-        "--debug-rollout-only", "the idle actor's logical GPUs", "Miles defect: actor_factory.py then indexes bundle "
-        "0 (IndexError) before any rollout; worked around from outside (bootstrap), Miles' file unchanged")]
-    sglang = src.sglang_paths()
-    paths = [BOOTSTRAP, miles, megatron, *sglang, src.REPO]
-    env = {**job.env, **RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
-           "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("stubs.py")),
-           "V4RL_STUB_ROOTS": json.dumps(list(STUB_ROOTS)), "V4RL_REHEARSAL_DEVICE": json.dumps(DEVICE),
-           "V4RL_REHEARSAL_WORKAROUNDS": ",".join(WORKAROUNDS),
-           "V4RL_REHEARSAL_DEVICE_PATCH": str(src.REPO / "engines/train/miles/probes/model_probe.py"), "MILES_HOST_IP": "127.0.0.1",
-           "V4RL_REHEARSAL_DRIVER": str((miles / "train.py").resolve()),
-           "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PYTHONUNBUFFERED": "1"}
+    argv = job.argv + impl_args
+    subs = job.substitutions + _impl_rows(job.argv, impl_args)
+    if stage == "rollout":
+        subs.append(Substitution(
+            "miles/ray/placement_group.py _get_placement_group_layout", "(0, 0) bundles with --rollout-external "
+            "--debug-rollout-only", "the idle actor's logical GPUs", "Miles defect: actor_factory.py then indexes "
+            "bundle 0 (IndexError) before any rollout; worked around from outside (bootstrap), Miles' file unchanged"))
+        subs.append(Substitution(
+            "miles/ray/rollout/debug_data.py save_dashboard_columns", "parquet mirror for Miles' dashboard (polars)",
+            "skipped (Miles' own no-polars path)", "the polars beside SGLang 0.5.23 lacks its compiled runtime; "
+            "the rollout_<id>.pt dump stage train reads is unchanged"))
+    else:
+        subs += TRAIN_STANDIN_ROWS
+    report.substitutions += [s for s in subs if s not in report.substitutions]
+    env = _stage_env(stage, job.env, miles, megatron, ray_port)
     engine = ray = None
     ray_dir = _ray_temp_dir(work)
     t0 = time.monotonic()
     try:
-        engine = _start_engine(hf, engine_port, work / "engine.log")
-        log(f"engine: v4rl serve-rollout on 127.0.0.1:{engine_port}; Ray head 127.0.0.1:{ray_port}")
+        if stage == "rollout":
+            engine = _start_engine(hf, engine_port, work / "engine.log")
+            log(f"engine: v4rl serve-rollout on 127.0.0.1:{engine_port}; Ray head 127.0.0.1:{ray_port}")
         try:
-            ray = RaySession(ray_dir, port=ray_port, num_gpus=2, num_cpus=4, env=env, log=work / "ray.log")
+            ray = RaySession(ray_dir, port=ray_port, num_gpus=2, num_cpus=4, env=env, log=work / f"ray-{stage}.log")
         except (RuntimeError, TimeoutError) as exc:
-            raise RehearsalError(f"ray: {exc}") from None
-        log(f"Miles {miles.name} (generation {gen}): train.py {' '.join(argv[-6:])} ...")
-        error = _run_miles(miles, argv, env, work, req.timeout_s)
+            raise RehearsalError(f"stage {stage}: ray: {exc}") from None
+        log(f"stage {stage}: Miles {miles.name} (generation {report.generation}): train.py {' '.join(argv[-6:])} ...")
+        error = _run_miles(miles, argv, env, work, req.timeout_s, log_name=MILES_LOGS[stage])
     finally:
         if ray is not None:
             ray.stop()
@@ -169,13 +214,98 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
             _stop(engine)
         if not ray_dir.is_relative_to(work):
             shutil.rmtree(ray_dir, ignore_errors=True)
-    seconds = round(time.monotonic() - t0, 1)
-    metrics = read_metrics(work / "miles.log")
-    report.rollouts, report.evals = metrics.rollouts, metrics.evals
-    if error is None and not metrics.rollouts:
-        error = "Miles exited without logging a rollout (see miles.log)"
-    report.stages[req.stage] = {"ok": error is None, "seconds": seconds, "error": error}
-    return report
+    return (f"stage {stage}: {error}" if error else None), round(time.monotonic() - t0, 1)
+
+
+def _stage_env(stage: str, job_env: dict, miles: Path, megatron: Path, ray_port: int) -> dict[str, str]:
+    """The environment of every process of a stage: the bootstrap first on PYTHONPATH (the CPU stand-ins), then
+    (stage train) the TE stand-in package and the GPU kernels' math for Megatron's forward and backward."""
+    from engines.train.miles.model_check import NUMERIC_STANDINS, STANDINS, MODEL_STUB_ROOTS, \
+        tile_kernels_mhc_reference
+
+    model = [STANDINS] if stage == "train" else []
+    paths = [BOOTSTRAP, *model, miles, megatron, *src.sglang_paths(), src.REPO]
+    env = {**job_env, **RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
+           "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("stubs.py")),
+           "V4RL_STUB_ROOTS": json.dumps(list(STUB_ROOTS) + (list(MODEL_STUB_ROOTS) if model else [])),
+           "V4RL_REHEARSAL_DEVICE": json.dumps(DEVICE),
+           "V4RL_REHEARSAL_WORKAROUNDS": ",".join(WORKAROUNDS),
+           "V4RL_REHEARSAL_DEVICE_PATCH": str(src.REPO / "engines/train/miles/probes/model_probe.py"),
+           "MILES_HOST_IP": "127.0.0.1", "V4RL_REHEARSAL_DRIVER": str((miles / "train.py").resolve()),
+           "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PYTHONUNBUFFERED": "1"}
+    if model:
+        env["V4RL_REHEARSAL_KERNELS"] = str(NUMERIC_STANDINS)
+        try:
+            env["V4RL_TILE_KERNELS_MHC"] = str(tile_kernels_mhc_reference())
+        except src.EngineSourceMissing as exc:
+            raise RehearsalError(f"stage train: {exc}") from None
+    return env
+
+
+TRAIN_STANDIN_ROWS = [
+    Substitution("transformer_engine", "TE (ROCm build)", "probes/standins/transformer_engine: torch ops, TE's "
+                 "parameter names", "no TE on a CPU; plain torch ops, so autograd gives the backward"),
+    Substitution("tile_kernels mHC, fast_hadamard_transform, torch.mm(out_dtype)", "GPU kernels",
+                 "probes/numeric_standins.py: TileKernels' own torch references, Sylvester-Hadamard matmul, fp32 mm",
+                 "the kernels' math in differentiable torch ops: the backward is autograd through them"),
+]
+
+
+def _impl_args(miles: Path, impl: str | None) -> list[str]:
+    try:
+        return dsv4_impl_args(detect_generation(miles), impl)
+    except MilesGenerationError as exc:
+        raise RehearsalError(str(exc)) from None
+
+
+def _impl_rows(argv: list[str], impl_args: list[str]) -> list[Substitution]:
+    """A row for a --dsv4-impl / --dsa-kernel-backend that differs from the job's (argparse: the last wins)."""
+    from engines.train.miles.command import parse_flags
+
+    job, given = parse_flags(argv), parse_flags(impl_args)
+    return [Substitution(flag, " ".join(job.get(flag) or ["(absent)"]), " ".join(value),
+                         "the model implementation this rehearsal runs (--dsv4-impl megatron runs Megatron's own "
+                         "PyTorch attention: --dsa-kernel-backend none, no cuDNN kernels on a CPU)")
+            for flag, value in given.items() if job.get(flag) != value]
+
+
+def _convert_ref(hf: Path, ref: Path, miles: Path, log) -> None:
+    """v4rl's torch_dist conversion of the tiny checkpoint under the names this Miles' model asks for, as
+    `v4rl convert --miles-dir` writes it (a no-op when up to date)."""
+    from checkpoints.convert import convert_hf_to_torch_dist
+    from engines.train.miles.generation import megatron_names_for
+
+    names, why = megatron_names_for(miles)
+    result = convert_hf_to_torch_dist(hf, ref, workers=1, megatron_names=names)
+    if not result.skipped:
+        log(f"--ref-load: v4rl convert {hf} -> {ref} ({names} names: {why})")
+
+
+def _check_rollout_data(path: str, num_rollout: int) -> Path:
+    """--rollout-data: a directory of Miles' `rollout_<id>.pt` dumps, one per rollout the train stage trains."""
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise RehearsalError(f"--rollout-data {path}: no such directory; give the rollout-data/ folder a "
+                             "`--stage rollout` run wrote (its work dir), or drop --rollout-data to run it first")
+    missing = [f"rollout_{i}.pt" for i in range(num_rollout) if not (root / f"rollout_{i}.pt").is_file()]
+    if missing:
+        raise RehearsalError(f"--rollout-data {path}: lacks Miles' dump {missing[0]} (--num-rollout "
+                             f"{num_rollout}); rerun `v4rl rehearse --stage rollout` or drop --rollout-data")
+    return root
+
+
+def _missing_train_metrics(metrics, num_rollout: int, log: Path) -> str | None:
+    """None when Miles logged every TRAIN_METRICS name, finite, for each rollout; else what is missing."""
+    import math
+
+    for rollout in map(str, range(num_rollout)):
+        values = metrics.rollouts.get(rollout, {})
+        for name in TRAIN_METRICS:
+            if name not in values:
+                return f"stage train: Miles logged no {name} for rollout {rollout} (see {log})"
+            if not math.isfinite(values[name]):
+                return f"stage train: Miles logged {name} = {values[name]} for rollout {rollout} (see {log})"
+    return None
 
 
 RAY_SOCKET_TAIL = len("/session_2026-12-02_17-57-36_298885_4194304/sockets/plasma_store")
@@ -235,10 +365,11 @@ class _RefusalWatch:
         return next((line[len(REFUSAL_PREFIX):] for line in lines if line.startswith(REFUSAL_PREFIX)), None)
 
 
-def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: float) -> str | None:
+def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: float,
+               log_name: str = "miles.log") -> str | None:
     """Miles' train.py, unmodified, as a child in its own process group; its error line, or None on success. A
     request the engine refuses stops it at once with the engine's own message (engine.log in `work`)."""
-    log, engine_log = work / "miles.log", work / "engine.log"
+    log, engine_log = work / log_name, work / "engine.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, str(miles / "train.py"), *argv], cwd=work, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
@@ -253,8 +384,26 @@ def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: flo
                 return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"
             time.sleep(0.5)
     if code != 0:
-        return f"Miles' train.py exited with {code}: {src.engine_error(log.read_text(errors='replace'))}"
+        text = log.read_text(errors="replace")
+        return f"Miles' train.py exited with {code}{_miles_frame(text, miles)}: {src.engine_error(text)}"
     return None
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _miles_frame(text: str, miles: Path) -> str:
+    """` at miles/...py:N`: the innermost frame of Miles' (or Megatron's) own code in the log's last traceback."""
+    frames = [(m["file"], m["line"]) for m in _FRAME.finditer(text)
+              if "/miles" in m["file"] or "/megatron/" in m["file"]]
+    if not frames:
+        return ""
+    file, line = frames[-1]
+    for marker in ("/miles_plugins/", "/miles/", "/megatron/"):
+        if marker in file:
+            file = marker[1:] + file.split(marker, 1)[1]
+            break
+    return f" at {file}:{line}"
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -51,8 +51,46 @@ def test_port_in_use_names_the_flag():
 
 
 def test_unbuilt_stage_is_refused():
-    with pytest.raises(RehearsalError, match="only `rollout`"):
-        rehearse(RehearsalRequest(stage="train"))
+    with pytest.raises(RehearsalError, match="built are rollout and train"):
+        rehearse(RehearsalRequest(stage="full"))
+
+
+def test_missing_rollout_data_is_one_line(miles_gen2_tree, tmp_path):
+    with pytest.raises(RehearsalError) as err:
+        rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), rollout_data=str(tmp_path / "no")))
+    assert str(err.value).startswith("--rollout-data ") and "no such directory" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_rollout_data_without_every_rollout_names_the_missing_dump(miles_gen2_tree, tmp_path):
+    (tmp_path / "rollout_0.pt").write_bytes(b"")
+    with pytest.raises(RehearsalError, match=r"lacks Miles' dump rollout_1.pt \(--num-rollout 2\)"):
+        rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), rollout_data=str(tmp_path)))
+
+
+def test_train_job_trains_on_the_rollout_stages_dump(tmp_path):
+    """Stage rollout saves Miles' own dump; stage train loads the same template, --debug-train-only, CPU init."""
+    from engines.presets.runs import SEED_RUN
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(tiny_miles_config().to_hf_dict()))
+    paths = RehearsalPaths(hf, tmp_path / "t.jsonl", tmp_path / "e.jsonl", tmp_path)
+    rollout = rehearsal_job(SEED_RUN, paths, engine_addr=ENGINE, context_length=4096, stage="rollout").argv
+    train = rehearsal_job(SEED_RUN, paths, engine_addr=ENGINE, context_length=4096, stage="train").argv
+    dump = str(tmp_path / "rollout-data" / "rollout_{rollout_id}.pt")
+    assert rollout[rollout.index("--save-debug-rollout-data") + 1] == dump
+    assert train[train.index("--load-debug-rollout-data") + 1] == dump
+    assert {"--debug-train-only", "--use-cpu-initialization"} <= set(train) and "--debug-rollout-only" not in train
+
+
+def test_a_miles_failure_names_the_innermost_miles_frame(tmp_path):
+    from engines.rehearsal.run import _miles_frame
+
+    text = ('Traceback (most recent call last):\n  File "/x/miles/ray/train/group.py", line 12, in a\n'
+            '  File "/x/megatron/core/optimizer/__init__.py", line 99, in b\n  File "/usr/lib/torch/x.py", line 1\n'
+            "ValueError: boom\n")
+    assert _miles_frame(text, tmp_path) == " at megatron/core/optimizer/__init__.py:99"
 
 
 def _job(tmp_path):
@@ -182,3 +220,26 @@ def test_a_request_the_engine_refuses_stops_miles_at_once_with_the_engines_reaso
     assert time.monotonic() - started < 10
     assert error.startswith("v4rl's engine refused Miles' request: POST /generate: HTTP 400") and \
         "needs the server flag" in error, error
+
+
+LOGPROB_DIFF_BOUND = 0.25
+"""PROVISIONAL bound on Miles' train/train_rollout_logprob_abs_diff (mean |Megatron's logprob - the engine's
+rollout logprob| per response token) on the tiny model: measured 0.100 and 0.110 (rollouts 0, 1; 2026-12-03), the
+bound ~2.3x that. Not yet derived from an independent bf16-noise measurement (docs/rehearsal.md, Status)."""
+
+
+@pytest.mark.slow
+def test_train_stage_trains_miles_megatron_actor_on_the_rollout_stages_data(miles_gen2_tree, sglang_paths, tmp_path):
+    import math
+
+    report = rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), work_dir=str(tmp_path),
+                                       dsv4_impl="megatron", timeout_s=900))
+    assert report.stages["rollout"]["ok"], report.stages["rollout"]["error"]
+    assert report.stages["train"]["ok"], report.stages["train"]["error"]
+    for rollout in ("0", "1"):
+        values = report.rollouts[rollout]
+        for name in ("train/loss", "train/grad_norm", "train/tis", "train/tis_clipfrac",
+                     "train/train_rollout_logprob_abs_diff"):
+            assert math.isfinite(values[name]), (rollout, name, values.get(name))
+        assert values["train/train_rollout_logprob_abs_diff"] < LOGPROB_DIFF_BOUND, values
+    assert {"--debug-train-only", "--load-debug-rollout-data"} <= {s.name for s in report.substitutions}

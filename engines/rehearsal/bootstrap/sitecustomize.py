@@ -97,6 +97,29 @@ def _cpu_device(_module):
         spec.loader.exec_module(module)
         module.patch_device(device)
         _empty_device_memory(int(device["total_memory"]))
+    kernels = os.environ.get("V4RL_REHEARSAL_KERNELS")
+    if kernels:  # stage train: the GPU kernels' math (numeric_standins.py) before Miles imports its model
+        import runpy
+
+        runpy.run_path(kernels, run_name="numeric_standins")
+        _cuda_tensor_types()
+
+
+def _cuda_tensor_types() -> None:
+    """Megatron's mixed-precision optimizers accept only parameters whose `tensor.type()` names a CUDA type
+    (core/optimizer/distrib_optimizer.py, optimizer.py: 'torch.cuda.BFloat16Tensor', ...); the device stand-in keeps
+    "CUDA" tensors on the CPU, so a CPU tensor names the CUDA type it stands for. Calls with a type still convert."""
+    import torch
+
+    real = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        name = real(self, dtype, non_blocking, **kwargs)
+        if dtype is None and self.device.type == "cpu" and name.startswith("torch.") and "cuda" not in name:
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_
 
 
 def _empty_device_memory(total: int) -> None:
@@ -138,9 +161,18 @@ def _in_process_store(module):
     module.init_process_group = init_process_group
 
 
+def _skip_dashboard_columns(module):
+    """--save-debug-rollout-data also writes a parquet mirror for Miles' dashboard through polars; the polars of
+    SGLang 0.5.23's dependency folder lacks its compiled runtime (`pl.DataFrame`: NameError PyDataFrame, at
+    miles/ray/rollout/debug_data.py:55) and the dump Miles trains from is written after it. Miles' own path for
+    a machine without polars (its ImportError branch: no parquet, the .pt still written) is taken instead."""
+    module.save_dashboard_columns = lambda samples, path: None
+
+
 _AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng,
                         "torch.distributed.distributed_c10d": _in_process_store}
-_WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor)}
+_WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor),
+                "dashboard": ("miles.ray.rollout.debug_data", _skip_dashboard_columns)}
 _AFTER_IMPORT = {**_AFTER_IMPORT_ALWAYS, **{_WORKAROUNDS[w][0]: _WORKAROUNDS[w][1]
                     for w in (os.environ.get("V4RL_REHEARSAL_WORKAROUNDS") or "").split(",") if w in _WORKAROUNDS},
                  **{name: _add_miles_sglang_names for name in MILES_SGLANG_NAMES},
@@ -171,6 +203,21 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _NoFusedOptimizers(importlib.abc.MetaPathFinder):
+    """Stage train: TE's and apex's fused optimizers (GPU kernels) are absent, as on a machine without them, so
+    Megatron takes its own fallback (megatron/core/optimizer/__init__.py, distrib_optimizer.py: torch's AdamW /
+    Adam); otherwise the GPU-only stubs would answer with a stub FusedAdam."""
+
+    NAMES = ("transformer_engine.pytorch.optimizers", "apex.optimizers", "apex")
+
+    def find_spec(self, name, path, target=None):
+        if name in self.NAMES:
+            raise ModuleNotFoundError(f"No module named {name!r} (v4rl rehearsal: no fused GPU optimizers)")
+        return None
+
+
+if os.environ.get("V4RL_REHEARSAL_KERNELS"):
+    sys.meta_path.insert(0, _NoFusedOptimizers())
 sys.meta_path.insert(0, _AfterImport())
 dataclasses.fields = _struct_fields(dataclasses.fields)
 
