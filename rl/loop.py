@@ -10,7 +10,9 @@
         sync     = learner.export() -> rollout.load_weights()           # re-quantize, update, fidelity gate
         log metrics; every eval_interval: evaluate; every save_interval: checkpoint
 
-The engines come in as two small protocols, so this module knows nothing of Ray, HTTP or Prefect.
+`run_grpo` is that loop. The engines come in as two small protocols (Rollout, Learner) and what the run does
+around each step (stop requests, hang capture, the run log, the mismatch budget's rollback) as LoopHooks, so this
+module knows nothing of Ray, HTTP or Prefect; engines/train/run.py implements them for the embedded engines.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +64,38 @@ class Learner(Protocol):
     def train_step(self, groups: list[Group], advantages: list[list[float]]) -> dict[str, float]: ...
 
     def export(self, path: str) -> None: ...
+
+    def save(self, step: int) -> None:
+        """Checkpoint weights, optimizer, RNG and the data cursor (= step), so a resumed run goes on after it."""
+        ...
+
+
+class LoopHooks(Protocol):
+    """What a run does around the algorithm; each hook may raise to end the run."""
+
+    def check_stop(self, step: int) -> None:
+        """Raise when the run was asked to stop (before `step` starts)."""
+        ...
+
+    def guard(self, step: int) -> AbstractContextManager[None]:
+        """Wraps a step's generate, train and sync: turns a hung engine call into the run's error."""
+        ...
+
+    def graded(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's rollout is generated and graded (its reward-function failures can be recorded)."""
+        ...
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the step's metrics (written before its evaluation, which lands separately)."""
+        ...
+
+    def log_eval(self, step: int, result: dict[str, Any]) -> None:
+        """Record a held-out evaluation of the weights after `step` (0: before training)."""
+        ...
+
+    def step_done(self, step: int, metrics: dict[str, float]) -> int | None:
+        """The step is trained, evaluated and saved; return a step to go back to (rollback) or None to go on."""
+        ...
 
 
 @dataclass(kw_only=True)
@@ -221,3 +256,61 @@ def evaluate(rollout: Rollout, prompts: list[list[int]], labels: list[str], *, n
                   response_len=sum(len(c.output_ids) for c in completions) / len(completions),
                   n_problems=len(prompts), n_samples=n, grader_errors=graded.errors)
     return result
+
+
+def sync_weights(learner: Learner, rollout: Rollout, path: str, step: int) -> float:
+    """Export the learner's weights to `path` and load them into the rollout engine; the seconds it took."""
+    start = time.monotonic()
+    learner.export(path)
+    rollout.load_weights(path, version=f"step-{step}")
+    return time.monotonic() - start
+
+
+@dataclass
+class TaskData:
+    """The prompts (token ids) and labels a run trains on and evaluates on."""
+
+    prompts: list[list[int]]
+    labels: list[str]
+    eval_prompts: list[list[int]]
+    eval_labels: list[str]
+
+
+def run_grpo(*, rollout: Rollout, learner: Learner, data: TaskData, config: LoopConfig, decode, grader: Grader,
+             eval_grader: Grader, hooks: LoopHooks, weights_path: str, start: int, last: int, final_step: int,
+             save_interval: int, evaluate_first: bool) -> None:
+    """GRPO steps start+1 .. last (`final_step`: the run's last step, where evaluation always fires).
+
+    `evaluate_first`: evaluate the starting weights as step 0. Every eval_interval steps (and at final_step) the
+    held-out set is evaluated; every save_interval steps (and at `last`) the learner saves a checkpoint.
+    """
+    def held_out() -> dict[str, Any]:
+        return evaluate(rollout, data.eval_prompts, data.eval_labels, n=config.eval_samples,
+                        max_new_tokens=config.max_new_tokens, decode=decode, grader=eval_grader, seed=config.seed + 99)
+
+    if evaluate_first:
+        hooks.log_eval(0, held_out())
+    step = start + 1
+    while step <= last:
+        hooks.check_stop(step)
+        t0 = time.monotonic()
+        with hooks.guard(step):
+            # generate, reward, dynamic sampling
+            groups, metrics = rollout_step(step, rollout=rollout, prompts=data.prompts, labels=data.labels,
+                                           config=config, decode=decode, grader=grader)
+            hooks.graded(step, metrics)
+            t1 = time.monotonic()
+            if groups:  # dynamic sampling may have filtered every group: then there is nothing to step on
+                metrics.update(learner.train_step(groups, advantages_of(groups, config.normalize_std)))
+            t2 = time.monotonic()
+            metrics["perf/update_weights_time"] = sync_weights(learner, rollout, weights_path, step) if groups else 0.0
+        metrics.update({"perf/train_time": t2 - t1, "perf/step_time": time.monotonic() - t0})
+        hooks.log_metrics(step, metrics)
+        if should_run(step, config.eval_interval, final_step):
+            result = held_out()
+            hooks.log_eval(step, result)
+            metrics.update({f"eval/math/{k}": v for k, v in result.items() if k.startswith("pass@")})
+        if should_run(step, save_interval, last):
+            learner.save(step)
+        back = hooks.step_done(step, metrics)
+        step = step + 1 if back is None else back + 1

@@ -73,11 +73,9 @@ def train(run_dir: str, config: dict, fingerprint: str, progress_id: str | None 
             progress(summary["last_step"])
         else:
             from engines.train.run import TrainRunConfig, run_training
-            from rl.loop import LoopConfig
 
-            cfg = TrainRunConfig(**{**config, "loop": LoopConfig(**config["loop"])})
-            summary = run_training(run_dir, cfg, log=log.info, on_step=lambda step, metrics: progress(step),
-                                   stop=stop)
+            summary = run_training(run_dir, TrainRunConfig.from_dict(config), log=log.info,
+                                   on_step=lambda step, metrics: progress(step), stop=stop)
     except Exception as exc:
         retried = attempt <= RETRIES and not isinstance(exc, (ValueError, TypeError)) \
             and getattr(exc, "retryable", True)

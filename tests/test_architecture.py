@@ -85,3 +85,10 @@ def test_packages_import_each_other_without_cycles():
     cycle = _cycle(edges)
     assert cycle is None, "package import cycle " + " -> ".join(cycle) + ": " + "; ".join(
         f"{a} -> {b} in {sorted(edges[a][b])[:3]}" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_the_grpo_loop_knows_no_engine_plumbing():
+    """rl/loop.py is the algorithm: the engines reach it only as the Rollout/Learner protocols and LoopHooks."""
+    plumbing = ("ray", "httpx", "prefect", "engines", "flows", "tasks")
+    offenders = sorted(n for p in (REPO / "rl").rglob("*.py") for n in _imports(p) if n.split(".")[0] in plumbing)
+    assert not offenders, f"rl/ imports engine plumbing (implement rl.loop's protocols in engines/ instead): {offenders}"

@@ -61,6 +61,16 @@ def test_rollout_expert_dtype_is_checked_and_kept_out_of_old_configs(tiny_base):
     assert _config(tiny_base, 1, rollout_expert_dtype="fp4").to_dict()["rollout_expert_dtype"] == "fp4"
 
 
+def test_the_config_crosses_the_task_boundary_as_a_dict_and_back(tiny_base):
+    """The train task gets the config as a dict (Prefect parameters, persisted results): from_dict inverts both
+    dict forms, a field left out takes its default, and a bad value still fails on the type."""
+    config = _config(tiny_base, 3, rollout_expert_dtype="fp4", metric_sinks=["tensorboard"])
+    assert TrainRunConfig.from_dict(dataclasses.asdict(config)) == config
+    assert TrainRunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ValueError, match="save_interval=0"):
+        TrainRunConfig.from_dict({**config.to_dict(), "save_interval": 0})
+
+
 def test_resume_after_a_crash_matches_an_uninterrupted_run(tiny_base, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     run_training(straight, _config(tiny_base, 4, use_ray=False), log=lambda m: None)

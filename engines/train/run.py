@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from engines.rollout.sglang import SGLangClient, SGLangTimeout
 from engines.train.checkpointing import latest_step
@@ -32,7 +32,7 @@ from engines.train.sinks import check_sink_names, open_sinks
 from engines.train.stopping import StopRequest, TrainingStopped
 from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
-from rl.loop import LoopConfig, advantages_of, evaluate, rollout_step, should_run
+from rl.loop import LoopConfig, TaskData, run_grpo, sync_weights
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
 from engines import TINY_BASE
 from engines.presets.runs import run_numbers
@@ -158,6 +158,12 @@ class TrainRunConfig:
             raise ValueError(f"rollout_expert_dtype={self.rollout_expert_dtype!r} is not a routed-expert storage the "
                              f"rollout engine serves; choose one of {', '.join(EXPERT_DTYPES)}")
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainRunConfig":
+        """The config from its dict form (to_dict, dataclasses.asdict, config.json): how it crosses the Prefect
+        task boundary; a field left out takes its default."""
+        return cls(**{**data, "loop": LoopConfig(**data["loop"])} if "loop" in data else data)
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         for name, default in NEW_FIELD_DEFAULTS.items():
@@ -232,15 +238,6 @@ def _graders(config: TrainRunConfig, decode: Callable[[list[int]], str], train_s
     return grader, grader if held_out.name == train.name else held_out.grader(**options)
 
 
-def _graded_step(step: int, run_dir: Path, **kwargs):
-    """rl.loop.rollout_step; a step stopped by too many reward-function failures is recorded in events.jsonl."""
-    try:
-        return rollout_step(step, **kwargs)
-    except GraderFailed as exc:
-        append_event(run_dir, {"step": step, "action": "stop", "message": str(exc)})
-        raise
-
-
 def _grader_events(run_dir: Path, grader, reported: set[str], step: int, metrics: dict) -> None:
     """One event per new kind of reward-function failure (type and first message), for events.jsonl and the report."""
     for kind, error in grader.first_error_by_type.items():
@@ -282,7 +279,6 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     grader, eval_grader = _graders(config, decode, (prompts[0], labels[0]), (eval_prompts[0], eval_labels[0]), log)
     runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
-    reported_grader_errors: set[str] = set()
     api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
                         trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
@@ -307,8 +303,8 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
             _check_protected(client, log)
         top_k = json.loads((serving / "config.json").read_text())["num_experts_per_tok"]
         rollout = HTTPRollout(client, routed_experts_top_k=top_k)
-        resumed = call(trainer.resume, "resuming the trainer")
-        start = resumed["step"]
+        learner = _RemoteLearner(call, trainer)
+        start = learner.resume("resuming the trainer")
         dropped = runlog.truncate_after(start)
         stale = [e["step"] for e in runlog.evals() if e["step"] > start]
         for past in stale:  # evaluations of weights the resumed run trains again: redone when reached
@@ -319,65 +315,17 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
         elif dropped or stale:  # an earlier run stopped before its first checkpoint: say that this one starts over
             log(f"starting over at step 1: {Path(run_dir) / 'checkpoints'} has no checkpoint; dropped {dropped} "
                 "metric rows of an earlier run" + (f" and the evaluations of steps {stale}" if stale else ""))
+        weights = str(Path(run_dir) / "weights" / "current")
         if not fresh:  # the served export may be newer than the checkpoint the trainer resumed from
-            _sync(call, trainer, rollout, Path(run_dir), start)
-        if start == 0 and not (runlog.eval_dir / "step_000000.json").exists() and config.loop.eval_interval:
-            runlog.write_eval(0, evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
-                                          max_new_tokens=config.loop.max_new_tokens, decode=decode,
-                                          grader=eval_grader, seed=config.loop.seed + 99))
-        budget = MismatchBudget(config.mismatch_threshold, config.mismatch_steps, config.mismatch_action)
-        step = start + 1
-        while step <= last:
-            stop.check()
-            t0 = time.monotonic()
-            try:
-                groups, metrics = _graded_step(step, Path(run_dir), rollout=rollout, prompts=prompts, labels=labels,
-                                               config=config.loop, decode=decode, grader=grader)
-                for used in [grader] if eval_grader is grader else [grader, eval_grader]:
-                    _grader_events(Path(run_dir), used, reported_grader_errors, step, metrics)
-                t1 = time.monotonic()
-                if groups:  # dynamic sampling may have filtered every group: then there is nothing to step on
-                    metrics.update(call(trainer.train_step, "a GRPO step", groups,
-                                        advantages_of(groups, config.loop.normalize_std)))
-                t2 = time.monotonic()
-                metrics["perf/update_weights_time"] = _sync(call, trainer, rollout, Path(run_dir), step) \
-                    if groups else 0.0
-            except (RemoteCallTimeout, SGLangTimeout) as exc:
-                path = record_hang(Path(run_dir), step, workers.pids, exc)
-                raise StepHung(f"step {step} made no progress within {config.call_timeout_s:.0f}s ({exc}); thread "
-                               f"stacks of {sorted(workers.pids)} are in {path}; a retry resumes from the last "
-                               "checkpoint") from exc
-            metrics.update({"perf/train_time": t2 - t1, "perf/step_time": time.monotonic() - t0})
-            runlog.append_metrics(step, metrics)
-            if should_run(step, config.loop.eval_interval, config.steps):
-                result = evaluate(rollout, eval_prompts, eval_labels, n=config.loop.eval_samples,
-                                  max_new_tokens=config.loop.max_new_tokens, decode=decode, grader=eval_grader,
-                                  seed=config.loop.seed + 99)
-                runlog.write_eval(step, result)
-                metrics.update({f"eval/math/{k}": v for k, v in result.items() if k.startswith("pass@")})
-            if should_run(step, config.save_interval, last):
-                call(trainer.save, "saving a checkpoint", step, {"step": step})
-            log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "
-                f"|Δlogprob| {metrics.get('train/train_rollout_logprob_abs_diff', float('nan')):.4f} "
-                f"({metrics['perf/step_time']:.1f}s)")
-            if metrics["rollout/no_learning_signal"]:
-                log(no_signal_warning(step, metrics, config))
-            if on_step:
-                on_step(step, metrics)
-            event = budget.observe(step, metrics.get("train/train_rollout_logprob_abs_diff"))
-            if event:
-                append_event(Path(run_dir), event)
-                log(event["message"])
-                if event["action"] == "stop":
-                    raise MismatchBudgetExceeded(event["message"] + f" (events in {Path(run_dir) / 'events.jsonl'})")
-                if event["action"] == "rollback":
-                    back = call(trainer.resume, "rolling back to the last checkpoint")["step"]
-                    runlog.truncate_after(back)
-                    _sync(call, trainer, rollout, Path(run_dir), back)
-                    log(f"rolled back to step {back}")
-                    step = back + 1
-                    continue
-            step += 1
+            sync_weights(learner, rollout, weights, start)
+        hooks = _RunHooks(config, Path(run_dir), runlog, learner, rollout, weights, stop, workers, log, on_step,
+                          graders=[grader] if eval_grader is grader else [grader, eval_grader])
+        run_grpo(rollout=rollout, learner=learner, data=TaskData(prompts, labels, eval_prompts, eval_labels),
+                 config=config.loop, decode=decode, grader=grader, eval_grader=eval_grader, hooks=hooks,
+                 weights_path=weights, start=start, last=last, final_step=config.steps,
+                 save_interval=config.save_interval,
+                 evaluate_first=start == 0 and not (runlog.eval_dir / "step_000000.json").exists()
+                 and bool(config.loop.eval_interval))
     return {"run_dir": str(run_dir), "resumed_from": start, "last_step": last, "evals": runlog.evals()}
 
 
@@ -438,13 +386,87 @@ def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
     return current, True
 
 
-def _sync(call, trainer, rollout, run_dir: Path, step: int) -> float:
-    """Export the trainer's weights as HF FP8 and load them into the rollout engine (paused meanwhile)."""
-    start = time.monotonic()
-    path = run_dir / "weights" / "current"
-    call(trainer.export, "exporting weights", str(path))
-    rollout.load_weights(str(path), version=f"step-{step}")
-    return time.monotonic() - start
+class _RemoteLearner:
+    """rl.loop.Learner over the trainer worker: every call through `call` (Ray: with the run's timeout)."""
+
+    def __init__(self, call, trainer) -> None:
+        self.call, self.trainer = call, trainer
+
+    def train_step(self, groups, advantages) -> dict[str, float]:
+        return self.call(self.trainer.train_step, "a GRPO step", groups, advantages)
+
+    def export(self, path: str) -> None:
+        self.call(self.trainer.export, "exporting weights", path)
+
+    def save(self, step: int) -> None:
+        self.call(self.trainer.save, "saving a checkpoint", step, {"step": step})
+
+    def resume(self, what: str) -> int:
+        """Reload the latest checkpoint; the step it holds (0: none)."""
+        return self.call(self.trainer.resume, what)["step"]
+
+
+class _RunHooks:
+    """rl.loop.LoopHooks for a run directory: stop requests, hang capture (StepHung with the workers' stacks),
+    grader events, metrics.jsonl and eval/, the step's log line and the mismatch budget (alert, stop, rollback)."""
+
+    def __init__(self, config: TrainRunConfig, run_dir: Path, runlog: RunLog, learner: _RemoteLearner, rollout,
+                 weights: str, stop: StopRequest, workers: "_workers", log: Callable[[str], None],
+                 on_step: Callable[[int, dict], None] | None, graders: list[Grader]) -> None:
+        self.config, self.run_dir, self.runlog, self.learner, self.rollout = config, run_dir, runlog, learner, rollout
+        self.weights, self.stop, self.workers, self.log, self.on_step, self.graders = \
+            weights, stop, workers, log, on_step, graders
+        self.reported_grader_errors: set[str] = set()
+        self.budget = MismatchBudget(config.mismatch_threshold, config.mismatch_steps, config.mismatch_action)
+
+    def check_stop(self, step: int) -> None:
+        self.stop.check()
+
+    @contextmanager
+    def guard(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except GraderFailed as exc:  # too many reward-function failures: recorded in events.jsonl
+            append_event(self.run_dir, {"step": step, "action": "stop", "message": str(exc)})
+            raise
+        except (RemoteCallTimeout, SGLangTimeout) as exc:
+            path = record_hang(self.run_dir, step, self.workers.pids, exc)
+            raise StepHung(f"step {step} made no progress within {self.config.call_timeout_s:.0f}s ({exc}); thread "
+                           f"stacks of {sorted(self.workers.pids)} are in {path}; a retry resumes from the last "
+                           "checkpoint") from exc
+
+    def graded(self, step: int, metrics: dict) -> None:
+        for used in self.graders:
+            _grader_events(self.run_dir, used, self.reported_grader_errors, step, metrics)
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        self.runlog.append_metrics(step, metrics)
+
+    def log_eval(self, step: int, result: dict) -> None:
+        self.runlog.write_eval(step, result)
+
+    def step_done(self, step: int, metrics: dict) -> int | None:
+        self.log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "
+                 f"|Δlogprob| {metrics.get('train/train_rollout_logprob_abs_diff', float('nan')):.4f} "
+                 f"({metrics['perf/step_time']:.1f}s)")
+        if metrics["rollout/no_learning_signal"]:
+            self.log(no_signal_warning(step, metrics, self.config))
+        if self.on_step:
+            self.on_step(step, metrics)
+        event = self.budget.observe(step, metrics.get("train/train_rollout_logprob_abs_diff"))
+        if not event:
+            return None
+        append_event(self.run_dir, event)
+        self.log(event["message"])
+        if event["action"] == "stop":
+            raise MismatchBudgetExceeded(event["message"] + f" (events in {self.run_dir / 'events.jsonl'})")
+        if event["action"] != "rollback":
+            return None
+        back = self.learner.resume("rolling back to the last checkpoint")
+        self.runlog.truncate_after(back)
+        sync_weights(self.learner, self.rollout, self.weights, back)
+        self.log(f"rolled back to step {back}")
+        return back
 
 
 class RolloutUnprotected(ValueError):
