@@ -5,10 +5,11 @@ also a markdown artifact).
 In the rl-pipeline the training engine evaluates itself (the embedded trainer, or Miles on the cluster) and
 writes <run_dir>/eval/step_XXXXXX.json; the flow starts this subflow as soon as that file lands, while training
 goes on, and the subflow publishes it (its JSON is the record: a step already evaluated is not evaluated again).
-Called for a step nobody evaluated, it evaluates `model_dir` itself: the embedded rollout engine over HTTP, or
-with `cluster` settings Miles' eval-only job on the step's checkpoint (tasks/evaluate.py `miles_eval`).
+Called for a step nobody evaluated, the run's backend evaluates it (tasks/evaluate.py): the embedded rollout
+engine serving `model_dir` over HTTP, or Miles' eval-only job on the step's checkpoint.
 
-    python -c "from flows.evaluate import evaluate; evaluate('runs/x', 'runs/x/weights/current', 10)"
+    from flows.evaluate import evaluate
+    evaluate(PipelineParams.preset_defaults("tiny-cpu", run_key="x").backend(), 10, "runs/x/weights/current")
 """
 
 from __future__ import annotations
@@ -19,29 +20,22 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.evaluate import held_out_eval, miles_eval
+from engines.backends import Backend
+from tasks.evaluate import eval_task
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate(run_dir: str, model_dir: str, step: int, n_eval: int = 100, n_samples: int = 8, seed: int = 0,
-             artifact_key: str | None = None, metric_sinks: list[str] | None = None, eval_data: str = "",
-             max_grader_error_ratio: float = 0.25, eval_reward: str = "auto",
-             cluster: dict | None = None, input_key: str = "prompt", label_key: str = "label") -> dict:
-    from engines.train.runlog import RunLog
-    from engines.train.sinks import open_sinks
-
+def evaluate(backend: Backend, step: int, model_dir: str, artifact_key: str | None = None) -> dict:
+    """Publish (evaluating first when nobody has) step `step` of the run of `backend` (flows/params.py
+    PipelineParams.backend); `model_dir`: the weights the embedded engines evaluate."""
+    run_dir = backend.run_dir
     path = Path(run_dir) / "eval" / f"step_{step:06d}.json"
     if path.exists():  # the training engine evaluated it (or an earlier run of this subflow did): publish it
         print(f"step {step} evaluated by the training engine: {path}")
-        result = {k: v for k, v in json.loads(path.read_text()).items() if k != "step"}
-    elif cluster is not None:  # Miles' record of the step, written by the recorder (its own step key dropped)
-        result = {k: v for k, v in miles_eval(cluster, step).items() if k != "step"}
-    else:
-        result = held_out_eval(model_dir, n_eval=n_eval, n_samples=n_samples, seed=seed, eval_data=eval_data,
-                               max_grader_error_ratio=max_grader_error_ratio,
-                               eval_reward=eval_reward, input_key=input_key, label_key=label_key)
-        with open_sinks(metric_sinks or [], run_dir) as sinks:  # the training's dashboards get the eval too
-            RunLog(run_dir, sinks=sinks).write_eval(step, result)
+        record = json.loads(path.read_text())
+    else:  # the backend writes eval/step_XXXXXX.json and returns it
+        record = eval_task(backend)(backend, step, model_dir)
+    result = {k: v for k, v in record.items() if k != "step"}
     create_table_artifact([{"step": step, **{k: round(v, 4) if isinstance(v, float) else v
                                               for k, v in result.items() if not isinstance(v, dict)}}],
                           key=artifact_key, description=f"held-out evaluation at step {step}")

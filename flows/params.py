@@ -298,14 +298,12 @@ class PipelineParams(BaseModel):
 
         return detect_generation(local).generation
 
-    def megatron_names(self) -> str:
-        """The torch_dist key names the convert task writes: the cluster's Miles generation's (plugin names for
-        the embedded engines, whose trainer reads either)."""
-        from engines.presets.backends import pipeline_backend
+    def backend(self):
+        """The run's engines (engines/backends `Backend`), built once from the preset: the flow hands this one
+        object to every task, which calls it without asking which engines it drives."""
+        from engines.backends import backend_name
 
-        if not pipeline_backend(self.preset).on_cluster:
-            return "plugin"
-        return "megatron" if self.resolved_miles_generation() == 2 else "plugin"
+        return _BUILDERS[backend_name(self.preset)](self)
 
     def miles_overrides(self) -> dict:
         """The run preset overrides these parameters make on the cluster path (engines.presets.runs OVERRIDES)."""
@@ -382,3 +380,37 @@ class PipelineParams(BaseModel):
             fields["rollout_correction"] = self.correction().to_dict()
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _embedded(p: PipelineParams):
+    """engines/backends/embedded.py EmbeddedBackend: the trainer's TrainRunConfig from these parameters."""
+    from engines.backends.embedded import EmbeddedBackend
+    from engines.train.run import TrainRunConfig, tiny_loop
+
+    loop = tiny_loop(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=p.eval_interval,
+                     eval_samples=p.eval_samples, seed=p.seed)
+    config = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.save_interval or p.eval_interval,
+                            n_eval=p.n_eval, lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
+                            train_data=p.train_data, eval_data=p.eval_data, input_key=p.input_key,
+                            label_key=p.label_key, max_grader_error_ratio=p.max_grader_error_ratio, reward=p.reward,
+                            eval_reward=p.eval_reward, rollout_correction=p.correction())
+    return EmbeddedBackend(run_dir=str(p.run_dir), config=config)
+
+
+def _miles(p: PipelineParams):
+    """engines/backends/miles.py MilesBackend: the Miles job (site, paths, preset overrides) of a cluster
+    preset, where its results go, the checkouts preflight checks it against, and the torch_dist names its Miles
+    generation loads."""
+    from engines.backends.miles import MilesBackend
+    from engines.train.miles.pipeline import ClusterRun
+
+    run = ClusterRun(preset=p.preset, job=p.miles_job(), site=p.site(), run_dir=str(p.run_dir),
+                     eval_interval=p.eval_interval, overrides=p.miles_overrides(),
+                     align_sglang_url=p.align_sglang_url or None)
+    return MilesBackend(run=run, steps=p.steps, megatron_names="megatron" if p.resolved_miles_generation() == 2
+                        else "plugin", miles_dir=p.miles_check_dir, megatron_dir=p.megatron_check_dir,
+                        sglang_dir=p.sglang_check_dir)
+
+
+_BUILDERS = {"embedded": _embedded, "miles": _miles}
+"""How each backend (engines.backends.backend_name) is built from the flow's parameters."""

@@ -6,13 +6,13 @@
            evaluate (subflow: artifact row, pass@k plot) -> upload
     report -> upload
 
-The same body for every preset: the preset picks the engines (engines/presets/backends.py). tiny-cpu trains and
-evaluates with the embedded engines here; a GPU preset runs ONE Miles job for the whole run on the existing Ray
-cluster (Miles evaluates before training and every eval_interval rollouts, saves every --save-interval), aligns
-with SGLang + Megatron there, and lands its metrics and evaluations in the same run directory, report and
-nightly verdict. The training task runs in the flow's thread pool (`.submit`), so the flow's own thread starts
-an evaluate subflow per evaluation as soon as its eval/step_XXXXXX.json lands (engines/train/landed.py): the UI
-shows step 10's pass@k while step 11 trains.
+The same body for every preset: the preset picks the engines, built once into the run's backend (engines/backends)
+that every task calls without asking which it is. tiny-cpu trains and evaluates with the embedded engines here; a
+GPU preset runs ONE Miles job for the whole run on the existing Ray cluster (Miles evaluates before training and
+every eval_interval rollouts, saves every --save-interval), aligns with SGLang + Megatron there, and lands its
+metrics and evaluations in the same run directory, report and nightly verdict. The training task runs in the
+flow's thread pool (`.submit`), so the flow's own thread starts an evaluate subflow per evaluation as soon as its
+eval/step_XXXXXX.json lands (engines/train/landed.py): the UI shows step 10's pass@k while step 11 trains.
 
 Every step is a Prefect task or subflow: retried where a retry can help, cached across flow runs where the
 work is deterministic (conversion by source identity, a finished training by run key), so a new flow run after
@@ -26,8 +26,6 @@ flow process could not (it was killed first). A later run with the same run key 
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact
@@ -49,24 +47,6 @@ EVAL_POLL_S = 1.0
 """How often the flow looks for evaluations that landed while training runs."""
 STOP_WAIT_S = 20.0
 """How long a cancelled flow waits for the training to stop (Prefect's runner SIGKILLs it 30 s after SIGTERM)."""
-
-
-def _train_config(p: PipelineParams) -> dict:
-    """What the training task runs: the embedded trainer's TrainRunConfig, or the Miles job's settings."""
-    cluster = _miles(p)
-    if cluster is not None:
-        return {"engine": "miles", "cluster": cluster, "steps": p.steps}
-    from engines.train.run import TrainRunConfig, tiny_loop
-
-    loop = tiny_loop(prompts_per_step=p.prompts_per_step, n_samples=p.n_samples, eval_interval=p.eval_interval,
-                     eval_samples=p.eval_samples, seed=p.seed)
-    cfg = TrainRunConfig(base=p.hf_checkpoint, steps=p.steps, save_interval=p.save_interval or p.eval_interval,
-                         n_eval=p.n_eval,
-                         lr=p.lr, loop=loop, use_ray=p.use_ray, metric_sinks=list(p.metric_sinks),
-                         train_data=p.train_data, eval_data=p.eval_data, input_key=p.input_key, label_key=p.label_key,
-                         max_grader_error_ratio=p.max_grader_error_ratio, reward=p.reward, eval_reward=p.eval_reward,
-                         rollout_correction=p.correction())
-    return dataclasses.asdict(cfg)
 
 
 def _stop_what_the_run_started(flow, flow_run, state) -> None:
@@ -93,26 +73,23 @@ def _pipeline(params: PipelineParams, log) -> dict:
     store = dict(store_url=params.store, prefix=f"runs/{key}", endpoint_url=params.s3_endpoint_url,
                  secret_block=params.s3_secret_block)
     artifact = key.lower().replace("_", "-").replace(".", "-")
-    cluster = _miles(params)
+    backend = params.backend()  # the preset's engines, called by every task below (engines/backends)
 
-    preflight(params.preset, params.seed, hf_checkpoint=params.hf_checkpoint, train_data=params.train_data,
-              eval_data=params.eval_data, prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
-              reward=params.reward, eval_reward=params.eval_reward, miles=cluster, input_key=params.input_key,
+    preflight(params.preset, params.seed, backend=backend, hf_checkpoint=params.hf_checkpoint,
+              train_data=params.train_data, eval_data=params.eval_data, prompts_per_step=params.prompts_per_step,
+              n_eval=params.n_eval, reward=params.reward, eval_reward=params.eval_reward, input_key=params.input_key,
               label_key=params.label_key)
-    converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"), megatron_names=params.megatron_names())
+    converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"), megatron_names=backend.megatron_names)
     verify(converted["dst"], params.hf_checkpoint)
-    alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"),
-                      prompts=params.align_prompts, threshold=params.align_threshold, artifact_key=f"{artifact}-align",
-                      cluster=cluster)
+    alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"), backend=backend,
+                      prompts=params.align_prompts, threshold=params.align_threshold, artifact_key=f"{artifact}-align")
     progress = create_progress_artifact(0.0, key=f"{artifact}-training", description=f"GRPO steps of {key}")
     uploaded: dict = {}
     clear_stop(run_dir)
-    training = train.submit(str(run_dir), _train_config(params), params.training_fingerprint(), progress)
+    training = train.submit(backend, params.training_fingerprint(), progress)
     try:
         for step in landed_evaluations(run_dir, done=lambda timeout: _finished(training, timeout), poll_s=EVAL_POLL_S):
-            evaluate(str(run_dir), str(run_dir / "weights" / "current"), step, params.n_eval, params.eval_samples,
-                     params.seed, artifact_key=f"{artifact}-eval", metric_sinks=list(params.metric_sinks),
-                     cluster=cluster, **_eval_data(params))
+            evaluate(backend, step, str(run_dir / "weights" / "current"), artifact_key=f"{artifact}-eval")
             uploaded = upload_artifacts(str(run_dir), **store)
     except Exception:  # publishing failed: the training is not thrown away for it; the flow fails once it ends
         log.exception("publishing an evaluation failed; the training goes on to its end, then this flow run fails")
@@ -131,29 +108,10 @@ def _pipeline(params: PipelineParams, log) -> dict:
             "manifest": uploaded.get("manifest")}
 
 
-def _miles(p: PipelineParams) -> dict | None:
-    """The Miles job of a cluster preset (site, paths, preset overrides, where results go), as plain dicts for
-    the tasks (engines/train/miles/pipeline.py ClusterRun.from_miles); None: the embedded engines."""
-    from engines.presets.backends import pipeline_backend
-
-    if not pipeline_backend(p.preset).on_cluster:
-        return None
-    site, job = p.site(), p.miles_job()
-    return {"preset": p.preset, "site": dataclasses.asdict(site), "job": dataclasses.asdict(job),
-            "overrides": p.miles_overrides(), "miles_dir": p.miles_check_dir, "megatron_dir": p.megatron_check_dir,
-            "sglang_dir": p.sglang_check_dir,
-            "run_dir": str(p.run_dir), "eval_interval": p.eval_interval, "align_sglang_url": p.align_sglang_url}
-
-
 def _finished(training, timeout: float) -> bool:
     """Wait up to `timeout` s for the training task; True once it has ended (in any state)."""
     training.wait(timeout)
     return training.wrapped_future.done()
-
-
-def _eval_data(p: PipelineParams) -> dict:
-    return {"eval_data": p.eval_data, "max_grader_error_ratio": p.max_grader_error_ratio, "eval_reward": p.eval_reward,
-            "input_key": p.input_key, "label_key": p.label_key}
 
 
 def _alignment_markdown(alignment: dict | None) -> str:

@@ -1,4 +1,4 @@
-"""Prefect task: the cross-engine alignment gate. The preset's engines pick how (engines/presets/backends.py):
+"""Prefect task: the cross-engine alignment gate, run by the run's backend (engines/backends `Backend.align`):
 
   embedded  engines/align: our rollout engine generates once, the trainer (from torch_dist, BF16) and
             transformers' reference rescore the same tokens, and the first diverging layer and sub-block is named;
@@ -17,24 +17,21 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from engines.backends import Backend
+
 
 class AlignmentFailed(RuntimeError):
     pass
 
 
 @task(name="align", cache_policy=NO_CACHE, timeout_seconds=3 * 3600)
-def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, prompts: int = 16, threshold: float = 0.09,
-          artifact_key: str | None = None, cluster: dict | None = None) -> dict:
-    """`cluster`: the run's Miles settings (flows/rl_pipeline.py `_miles`), None for the embedded engines."""
-    from engines.align import AlignConfig, align as run_align
+def align(hf_dir: str, torch_dist_dir: str, json_out: str, *, backend: Backend, prompts: int = 16,
+          threshold: float = 0.09, artifact_key: str | None = None) -> dict:
+    """`backend`: the run's engines (flows/params.py PipelineParams.backend)."""
+    from engines.align import AlignConfig
 
-    config = AlignConfig(n_prompts=prompts, mean_threshold=threshold)
-    if cluster is not None:
-        from engines.train.miles.pipeline import ClusterRun, align_gate
-
-        report = align_gate(ClusterRun.from_miles(cluster), config, on_line=get_run_logger().info)
-    else:
-        report = run_align(hf_dir, torch_dist_dir, config)
+    report = backend.align(hf_dir, torch_dist_dir, AlignConfig(n_prompts=prompts, mean_threshold=threshold),
+                           log=get_run_logger().info)
     tmp = Path(json_out).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(json_out)

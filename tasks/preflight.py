@@ -3,35 +3,36 @@ of the preset's pipeline fits this machine's memory for the checkpoint (engines/
 loads (with enough usable rows; bad rows are counted and named), and each dataset's reward works: a built-in
 grader on its golden cases, a user's reward function on one sample of its data (rl/reward_spec.py).
 
-On the cluster path it also builds the Miles job exactly as it will be submitted and has Miles' own parser
-check it on CPU (engines/train/miles/preflight.py): a missing site parameter (RAY_ADDRESS, MASTER_ADDR, an
-interface), a layout Miles cannot run, a Miles checkout that rejects a flag, a value Miles resolves differently
-or a dataset file that does not exist stops the run here, before anything is submitted."""
+Then the run's backend checks its own engines (engines/backends `Backend.check`): the Miles backend builds the
+job exactly as it will be submitted and has Miles' own parser check it on CPU (engines/backends/miles.py):
+a missing site parameter (RAY_ADDRESS, MASTER_ADDR, an interface), a layout Miles cannot run, a Miles checkout
+that rejects a flag, a value Miles resolves differently or a dataset file that does not exist stops the run here,
+before anything is submitted."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.backends import Backend
+
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data: str = "", eval_data: str = "",
-              prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8, reward: str = "auto",
-              eval_reward: str = "auto", miles: dict | None = None, input_key: str = "prompt",
+def preflight(preset: str, seed: int = 0, *, backend: Backend, hf_checkpoint: str = "", train_data: str = "",
+              eval_data: str = "", prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8,
+              reward: str = "auto", eval_reward: str = "auto", input_key: str = "prompt",
               label_key: str = "label") -> dict:
-    """`miles` (cluster presets): {"site": Site fields, "job": MilesJob fields, "overrides": preset overrides,
-    "miles_dir"/"megatron_dir": the checkouts on this host for the parse_args check (None: the pinned ones),
-    "sglang_dir": the SGLang source the cluster runs, checked on CPU for online-update fidelity (None: skipped)}."""
+    """`backend`: the run's engines (flows/params.py PipelineParams.backend); their own checks come last."""
     from engines.train.miles.launch import preflight_plan
     from rl.math_task import make_splits
 
-    plan = preflight_plan(preset, (miles or {}).get("overrides"))  # InfeasibleLayout naming each rule and fix
+    log = get_run_logger()
+    plan = preflight_plan(preset, dict(backend.overrides))  # InfeasibleLayout naming each rule and fix
     if hf_checkpoint:  # raises CpuFitError naming the step, its estimate and this machine's memory
-        from engines.presets.backends import pipeline_backend
         from engines.layout.cpu_fit import check_cpu_fit
 
-        fits = check_cpu_fit(hf_checkpoint, pipeline_backend(preset).cpu_steps)
-        get_run_logger().info("CPU steps fit: %s", ", ".join(f"{s.step} ~{s.bytes / 1e9:.1f} GB" for s in fits))
+        fits = check_cpu_fit(hf_checkpoint, backend.cpu_steps)
+        log.info("CPU steps fit: %s", ", ".join(f"{s.step} ~{s.bytes / 1e9:.1f} GB" for s in fits))
     train, held_out = make_splits(64, 16, seed)
     out = {"feasible": plan.feasible, "train_rows": len(train), "eval_rows": len(held_out),
            "layout": str(getattr(plan, "layout", ""))}
@@ -41,30 +42,15 @@ def preflight(preset: str, seed: int = 0, *, hf_checkpoint: str = "", train_data
         if path:  # raises DatasetError naming the file, the counts per reason and the fix
             report = _check_data_file(path, hf_checkpoint, max_new_tokens, needed, what, needed_by, input_key,
                                       label_key)
-            get_run_logger().info("%s: %s", what, report.summary())
+            log.info("%s: %s", what, report.summary())
             out[f"{what}_rows"] = report.n_kept
             out[f"{what}_dropped"] = dict(report.dropped)
     for what, spec, path, synthetic in (("reward", reward, train_data, train[0]),
                                         ("eval_reward", eval_reward, eval_data, held_out[0])):
         # raises RewardCheckFailed
         out[f"{what}_cases_checked"] = _check_reward(spec, what, path, synthetic, input_key, label_key)
-    if miles is not None:
-        out["miles"] = _check_miles_job(preset, miles)
-    if (miles or {}).get("sglang_dir"):
-        out["sglang_model"] = _check_sglang_model(preset, miles)
+    out.update(backend.check(log=log.info))  # MilesRejected, SiteError, SGLangUpdateRejected: not retried
     return out
-
-
-def _check_sglang_model(preset: str, miles: dict) -> dict:
-    """The SGLang the cluster will run, on CPU: one update in the job's setting must reproduce a fresh load
-    (engines/checks/sglang_preflight.py); SGLangUpdateRejected (not retried) naming the parameter when not."""
-    from engines.checks.sglang_preflight import SGLangUpdateRejected, check, summary
-
-    result = check(preset, miles.get("overrides") or {}, miles["sglang_dir"])
-    if not result.ok:
-        raise SGLangUpdateRejected(summary(result))
-    get_run_logger().info(summary(result))
-    return result.to_json()
 
 
 def _check_reward(spec: str, what: str, data_file: str, synthetic: dict, input_key: str = "prompt",
@@ -79,40 +65,6 @@ def _check_reward(spec: str, what: str, data_file: str, synthetic: dict, input_k
         first = load_prompt_dataset(data_file, input_key=input_key, label_key=label_key)[0][0]
         prompt, label = first.prompt_text, first.label
     return check_reward(choice, prompt, label, what)
-
-
-def _check_miles_job(preset: str, miles: dict) -> dict:
-    """Build the job as run_job will and run Miles' parse_args on it; MilesRejected (not retried) when refused."""
-    from pathlib import Path
-
-    from engines.profiles import get_profile
-    from engines.presets.runs import resolve
-    from engines.profiles.site import Site
-    from engines.train.miles import MilesJob, prepare_job
-    from engines.train.miles.preflight import MilesRejected, check_command
-
-    log = get_run_logger()
-    site, job, overrides = Site(**miles["site"]), MilesJob(**miles["job"]), miles.get("overrides")
-    prepared = prepare_job(preset, job, site=site, overrides=overrides)  # SiteError / InfeasibleLayout / config
-    eff, inp = resolve(preset, overrides)
-    data_here = Path(job.data_dir).is_dir()  # dataset files are checked where this host sees the cluster's disk
-    if not data_here:
-        log.warning("data_dir %s is not on this host: the preset's dataset files are not checked here", job.data_dir)
-    check = check_command(prepared.command, eff, job, cluster=inp.cluster, profile=get_profile(eff.profile),
-                          miles_dir=miles.get("miles_dir"), megatron_dir=miles.get("megatron_dir"),
-                          check_data=data_here)
-    if not check.ok:
-        raise MilesRejected(check.summary())
-    log.info("%s (Megatron-LM %s; stubbed GPU-only modules: %d)", check.summary(), check.megatron_dir,
-             len(check.stubbed))
-    from engines.train.miles.model_check import check_job_model_keys  # Miles' model (meta) vs the checkpoint
-
-    keys = check_job_model_keys(eff, job, miles_dir=miles.get("miles_dir"), megatron_dir=miles.get("megatron_dir"))
-    if not keys.ok:
-        raise MilesRejected(keys.summary())
-    log.info("%s", keys.summary())
-    return {"accepted": True, "miles_dir": check.miles_dir, "argv": prepared.command.argv,
-            "submit": prepared.submit_argv[:5]}
 
 
 def _check_data_file(path: str, hf_checkpoint: str, max_new_tokens: int, needed: int, what: str, needed_by: str,

@@ -1,9 +1,10 @@
 """Prefect task: the run's ONE long-running training task (DESIGN.md data flow, `train`).
 
-The engine evaluates itself every eval_interval steps and checkpoints every save_interval, as Miles does: the
-embedded trainer (engines/train/run.py) on tiny-cpu, one Miles job on the cluster (engines/train/miles/pipeline.py
-`train_run`). Its evaluations land in <run_dir>/eval/ while it runs; the flow publishes each through an
-evaluate subflow as it lands (flows/rl_pipeline.py submits this task to its thread pool and watches eval/).
+The run's backend trains it (engines/backends `Backend.train`), the engine evaluating itself every eval_interval
+steps and checkpointing every save_interval, as Miles does: the embedded trainer (engines/train/run.py) on
+tiny-cpu, one Miles job on the cluster (engines/train/miles/pipeline.py `train_run`). Its evaluations land in
+<run_dir>/eval/ while it runs; the flow publishes each through an evaluate subflow as it lands
+(flows/rl_pipeline.py submits this task to its thread pool and watches eval/).
 
 Failures: a retry (bounded: `retries`) resumes from the last complete checkpoint (the trainer reloads weights,
 optimizer, RNG and data cursor; Miles loads --load's tracker + 1) and drops the records past it first, so no step
@@ -21,6 +22,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import update_progress_artifact
 from prefect.runtime import task_run
+
+from engines.backends import Backend
 
 RETRIES = 2
 """Resubmissions after a failed attempt (3 attempts in all); each resumes from the last complete checkpoint."""
@@ -48,34 +51,26 @@ def _first_line(exc: BaseException) -> str:
 
 @task(name="train", cache_key_fn=_run_key, persist_result=True, retries=RETRIES, retry_delay_seconds=[5, 30],
       retry_condition_fn=_transient)
-def train(run_dir: str, config: dict, fingerprint: str, progress_id: str | None = None) -> dict:
-    """Train the whole run (resuming it), the engine evaluating and checkpointing itself; see the module doc."""
+def train(backend: Backend, fingerprint: str, progress_id: str | None = None) -> dict:
+    """Train the whole run (resuming it), the engine evaluating and checkpointing itself; see the module doc.
+    `backend`: the run's engines (flows/params.py PipelineParams.backend)."""
     from engines.train.guards import append_event
     from engines.train.stopping import stop_request
 
     log = get_run_logger()
+    run_dir = backend.run_dir
     attempt = task_run.run_count
     if attempt > 1:
         log.info("training attempt %d of %d: resuming from the last complete checkpoint (why: see the failure "
                  "above and events.jsonl)", attempt, RETRIES + 1)
     stop = stop_request(run_dir)
-    steps = config["steps"]
 
     def progress(step: int) -> None:
         if progress_id:
-            update_progress_artifact(progress_id, progress=100.0 * step / steps)
+            update_progress_artifact(progress_id, progress=100.0 * step / backend.steps)
 
     try:
-        if config.get("engine") == "miles":
-            from engines.train.miles.pipeline import ClusterRun, train_run
-
-            summary = train_run(ClusterRun.from_miles(config["cluster"]), steps, on_line=log.info, stop=stop)
-            progress(summary["last_step"])
-        else:
-            from engines.train.run import TrainRunConfig, run_training
-
-            summary = run_training(run_dir, TrainRunConfig.from_dict(config), log=log.info,
-                                   on_step=lambda step, metrics: progress(step), stop=stop)
+        summary = backend.train(log=log.info, on_step=lambda step, metrics: progress(step), stop=stop)
     except Exception as exc:
         retried = attempt <= RETRIES and not isinstance(exc, (ValueError, TypeError)) \
             and getattr(exc, "retryable", True)

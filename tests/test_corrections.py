@@ -185,10 +185,9 @@ def test_flow_parameters_reach_the_trainer_and_the_miles_job():
     from pydantic import ValidationError
 
     from flows.params import PipelineParams
-    from flows.rl_pipeline import _train_config
 
     tiny = PipelineParams.preset_defaults("tiny-cpu", rollout_correction="seq-mask", opsm=True)
-    assert _train_config(tiny)["rollout_correction"] == RolloutCorrection(mode="seq-mask", opsm=True).to_dict()
+    assert tiny.backend().config.rollout_correction == RolloutCorrection(mode="seq-mask", opsm=True)
     assert tiny.training_fingerprint() != PipelineParams.preset_defaults("tiny-cpu").training_fingerprint()
     assert PipelineParams.preset_defaults("dsv4-flash-mi355x", rollout_correction="none").miles_overrides()[
         "rollout_correction"]["mode"] == "none"

@@ -55,8 +55,9 @@ def test_a_config_json_and_its_expert_dtype(tmp_path, tiny_base):
 
 def test_the_tiny_evaluation_stays_below_its_estimate(tiny_base):
     # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child forked from a big pytest reports pytest's
-    code = ("from tasks.evaluate import held_out_eval\n"
-            f"held_out_eval.fn({str(tiny_base)!r}, n_eval=4, n_samples=2, seed=0)\n"
+    code = ("from engines.train.held_out import held_out_eval\n"
+            "from engines.train.run import TrainRunConfig, tiny_loop\n"
+            f"held_out_eval({str(tiny_base)!r}, TrainRunConfig(n_eval=4, loop=tiny_loop(eval_samples=2, seed=0)))\n"
             "hwm = [x for x in open('/proc/self/status') if x.startswith('VmHWM:')][0]\n"
             "print(int(hwm.split()[1]) * 1024)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -237,7 +237,6 @@ def test_cli_flags_and_pipeline_params_reach_the_training_config(tmp_path, monke
 
     import engines.train.run as run_module
     from flows.params import PipelineParams
-    from flows.rl_pipeline import _train_config
     from v4rl.cli import app
 
     seen = []
@@ -246,7 +245,7 @@ def test_cli_flags_and_pipeline_params_reach_the_training_config(tmp_path, monke
         result = CliRunner().invoke(app, ["train", "--out", str(tmp_path), "--steps", "1", *flags])
         assert result.exit_code == 0, result.output
         assert seen.pop().metric_sinks == expected
-    assert _train_config(PipelineParams(metric_sinks=["tensorboard"]))["metric_sinks"] == ["tensorboard"]
+    assert PipelineParams(metric_sinks=["tensorboard"]).backend().config.metric_sinks == ["tensorboard"]
 
 
 def test_training_steps_land_in_both_sinks_across_a_kill_and_resume(tiny_base, tmp_path):

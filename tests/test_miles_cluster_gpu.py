@@ -33,9 +33,7 @@ def cluster():
     missing = [k for k in NEEDED if not os.environ.get(k)]
     if missing:
         pytest.skip(f"set {', '.join(missing)} to run on the cluster (module docstring)")
-    from engines.train.miles.pipeline import ClusterRun
     from flows.params import PipelineParams
-    from flows.rl_pipeline import _miles
 
     paths = {k: os.environ[f"V4RL_{k.upper()}"] for k in ("miles_dir", "megatron_dir", "data_dir")
              if os.environ.get(f"V4RL_{k.upper()}")}
@@ -45,7 +43,7 @@ def cluster():
         eval_interval=2, save_interval=2, ray_address=os.environ["RAY_ADDRESS"], master_addr=os.environ["MASTER_ADDR"],
         socket_ifname=os.environ["V4RL_SOCKET_IFNAME"], ib_hca=os.environ["V4RL_IB_HCA"],
         align_sglang_url=os.environ.get("V4RL_ALIGN_SGLANG_URL"), **paths)
-    run = ClusterRun.from_miles(_miles(params))
+    run = params.backend().run
     # the converted checkpoint comes from V4RL_TORCH_DIST instead of the run's own convert task
     return dataclasses.replace(run, job=dataclasses.replace(run.job, ref_load=os.environ["V4RL_TORCH_DIST"]))
 

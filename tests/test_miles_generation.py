@@ -119,10 +119,10 @@ def test_flow_settings_choose_names_and_generation_together(tmp_path, monkeypatc
     monkeypatch.delenv("V4RL_MILES_DIR", raising=False)
     base = dict(runs_root=str(tmp_path), ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1")
     p = PipelineParams.preset_defaults("dsv4-flash-mi355x", **base)
-    assert (p.resolved_miles_generation(), p.megatron_names()) == (1, "plugin")
+    assert (p.resolved_miles_generation(), p.backend().megatron_names) == (1, "plugin")
     assert "miles_generation" not in p.miles_overrides()
     p = PipelineParams.preset_defaults("dsv4-flash-mi355x", miles_generation=2, dsv4_impl="megatron", **base)
-    assert p.megatron_names() == "megatron"
+    assert p.backend().megatron_names == "megatron"
     preset, _ = resolve(p.preset, p.miles_overrides())
     flags = build_command(preset, p.miles_job(), site=p.site()).flag_values()
     assert flags["--dsv4-impl"] == ["megatron"] and flags["--pipeline-model-parallel-layout"] == ["Et*11|t*11|t*11|t*10L"]
@@ -132,8 +132,8 @@ def test_flow_settings_choose_names_and_generation_together(tmp_path, monkeypatc
     (gen2 / "arguments.py").write_text('add_argument("--dsv4-impl", choices=["miles", "megatron"])\n'
                                        "def assert_checkpoint_is_current(d): ...\n")
     p = PipelineParams.preset_defaults("dsv4-flash-mi355x", miles_check_dir=str(tmp_path / "miles"), **base)
-    assert (p.resolved_miles_generation(), p.megatron_names()) == (2, "megatron")
-    assert PipelineParams.preset_defaults("tiny-cpu", runs_root=str(tmp_path)).megatron_names() == "plugin"
+    assert (p.resolved_miles_generation(), p.backend().megatron_names) == (2, "megatron")
+    assert PipelineParams.preset_defaults("tiny-cpu", runs_root=str(tmp_path)).backend().megatron_names == "plugin"
 
 
 def test_plan_builds_the_job_for_the_generation_asked(monkeypatch):

@@ -306,8 +306,6 @@ def test_plain_plan_imports_no_engine_check():
 
 
 def test_pipeline_parameters_become_the_miles_job(tmp_path):
-    import dataclasses
-
     from prefect.logging import disable_run_logger
 
     from flows.params import PipelineParams
@@ -323,6 +321,5 @@ def test_pipeline_parameters_become_the_miles_job(tmp_path):
     # one job per run: it saves on the preset's grid (20), not at every evaluation
     assert flags["--num-rollout"] == ["40"] and flags["--save-interval"] == ["20"] and flags["--eval-interval"] == ["5"]
     assert p.model_copy(update={"save_interval": 10}).miles_overrides()["save_interval"] == 10
-    miles = {"site": dataclasses.asdict(p.site()), "job": dataclasses.asdict(job), "overrides": p.miles_overrides()}
     with disable_run_logger(), pytest.raises(SiteError, match="(?s)socket_ifname.*ib_hca"):  # before Miles is asked
-        preflight.fn(p.preset, miles=miles)
+        preflight.fn(p.preset, backend=p.backend())

@@ -34,9 +34,7 @@ from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls
 def cluster(tmp_path, monkeypatch) -> ClusterRun:
     for name, value in install_stand_in(tmp_path / "bin", tmp_path / "calls.jsonl").items():
         monkeypatch.setenv(name, value)
-    from flows.rl_pipeline import _miles
-
-    return ClusterRun.from_miles(_miles(cluster_params(tmp_path)))  # what the flow hands its tasks
+    return cluster_params(tmp_path).backend().run  # the Miles job of the backend the flow hands its tasks
 
 
 def _submits(tmp_path: Path) -> list[dict]:

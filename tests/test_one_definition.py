@@ -102,7 +102,6 @@ def test_nightly_and_demo_are_named_overrides_of_the_preset(tmp_path):
 def test_embedded_configs_built_for_tiny_cpu_are_the_preset(tmp_path, monkeypatch):
     """TrainRunConfig / LoopConfig as the flow, `v4rl train` and the bare defaults build them carry the preset."""
     import engines.train.run as run
-    from flows.rl_pipeline import _train_config
     from rl.loop import LoopConfig
     from typer.testing import CliRunner
     from v4rl.cli import app
@@ -115,7 +114,7 @@ def test_embedded_configs_built_for_tiny_cpu_are_the_preset(tmp_path, monkeypatc
 
     expected = {k: TINY[k] for k in ("steps", "lr", "n_eval", "max_tokens_per_gpu", *run.LOOP_NUMBERS)}
     assert numbers(dataclasses.asdict(run.TrainRunConfig())) == expected
-    assert numbers(_train_config(PipelineParams())) == expected
+    assert numbers(dataclasses.asdict(PipelineParams().backend().config)) == expected
     bare = dataclasses.asdict(LoopConfig())  # rl/ cannot import the presets: its literals are held equal here
     assert {k: bare[k] for k in run.LOOP_NUMBERS} == {k: TINY[k] for k in run.LOOP_NUMBERS}
 

@@ -27,7 +27,7 @@ def _result(modes: dict) -> SGLangModelCheck:
 
 
 def test_pipeline_preflight_refuses_naming_parameter_and_setting(monkeypatch):
-    from tasks.preflight import _check_sglang_model
+    from engines.backends.miles import check_sglang_update
 
     seen = {}
 
@@ -37,7 +37,7 @@ def test_pipeline_preflight_refuses_naming_parameter_and_setting(monkeypatch):
 
     monkeypatch.setattr(sglang_preflight, "check", fake_check)
     with pytest.raises(SGLangUpdateRejected) as err:
-        _check_sglang_model("dsv4-flash-mi355x", {"sglang_dir": "/src/sglang"})
+        check_sglang_update("dsv4-flash-mi355x", {}, "/src/sglang", log=print)
     assert "wq_b.weight_scale_inv" in str(err.value) and "SGLANG_OPT_FP8_WO_A_GEMM=0" in str(err.value)
     assert seen == {"preset": "dsv4-flash-mi355x", "dir": "/src/sglang"}
 

@@ -211,18 +211,23 @@ def test_cli_reward_flags_reach_the_training_config(tmp_path, monkeypatch):
 def test_preflight_calls_a_user_reward_on_one_sample(tmp_path):
     from prefect.logging import disable_run_logger
 
+    from flows.params import PipelineParams
     from tasks.preflight import preflight
 
-    out = preflight.fn("tiny-cpu", reward=f"{MODULE}:score")
+    backend = PipelineParams.preset_defaults("tiny-cpu", runs_root=str(tmp_path)).backend()
+    with disable_run_logger():
+        out = preflight.fn("tiny-cpu", backend=backend, reward=f"{MODULE}:score")
     assert (out["reward_cases_checked"], out["eval_reward_cases_checked"]) == (1, 6)
     with pytest.raises(RewardCheckFailed, match=rf"eval_reward={MODULE}:nan failed on a well-formed sample "
                                                 r"\(completion '\\\\boxed\{\d+\}'.*: the reward function "
-                                                r"returned nan, expected a finite number; fix the function"):
-        preflight.fn("tiny-cpu", eval_reward=f"{MODULE}:nan")
+                                                r"returned nan, expected a finite number; fix the function"), \
+            disable_run_logger():
+        preflight.fn("tiny-cpu", backend=backend, eval_reward=f"{MODULE}:nan")
     data = tmp_path / "seventy-seven.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 40+37."}], "label": 77}) + "\n")
     with pytest.raises(RewardCheckFailed, match=r"KeyError: 'no reference for 77'"), disable_run_logger():
-        preflight.fn("tiny-cpu", train_data=str(data), hf_checkpoint=str(TINY_BASE), reward=f"{MODULE}:score")
+        preflight.fn("tiny-cpu", backend=backend, train_data=str(data), hf_checkpoint=str(TINY_BASE),
+                     reward=f"{MODULE}:score")
 
 
 # ============================================================================================== through rl.loop

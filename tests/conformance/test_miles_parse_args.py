@@ -124,6 +124,8 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
     from prefect.logging import disable_run_logger
 
     from engines.presets.flash import flash_config
+    from engines.backends.miles import MilesBackend
+    from engines.train.miles.pipeline import ClusterRun
     from engines.train.miles.preflight import MilesRejected
     from tasks.preflight import preflight
 
@@ -134,10 +136,11 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
     (data / "dapo-math-17k").mkdir(parents=True)
     (data / "dapo-math-17k" / "dapo-math-17k.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
     job = dataclasses.replace(_job(tmp_path), hf_checkpoint=str(hf), data_dir=str(data))
-    miles = {"site": dataclasses.asdict(SITE), "job": dataclasses.asdict(job), "overrides": {"num_rollout": 20},
-             "miles_dir": str(miles_tree), "megatron_dir": str(megatron_tree)}
+    run = ClusterRun(preset=SEED_RUN.name, job=job, site=SITE, run_dir=str(tmp_path / "run"), eval_interval=10,
+                     overrides={"num_rollout": 20})
+    backend = MilesBackend(run=run, steps=20, miles_dir=str(miles_tree), megatron_dir=str(megatron_tree))
     with disable_run_logger(), pytest.raises(MilesRejected) as err:
-        preflight.fn(SEED_RUN.name, miles=miles)
+        preflight.fn(SEED_RUN.name, backend=backend)
     assert "eval dataset 'aime' (--eval-prompt-data)" in str(err.value)
     assert f"{data}/aime-2024/aime-2024.jsonl does not exist" in str(err.value) and "prompt_data" not in str(err.value)
 

@@ -14,8 +14,8 @@ rl-pipeline's tasks exactly where the tiny-cpu path calls the embedded engines:
     align_gate(run, config)     the cluster alignment gate (engines/align/cluster.py): SGLang generates, Megatron
                                 rescores through Miles' train-only debug run
 
-`ClusterRun.from_miles` reads the flow's settings (flows/rl_pipeline.py `_miles`: the deployment's Site, the
-MilesJob paths, the preset overrides the flow parameters make). Everything that submits needs the cluster
+backend.py `MilesBackend` calls these for the rl-pipeline's tasks; flows/params.py `PipelineParams.backend` builds
+its ClusterRun from the flow's parameters (the deployment's Site, the MilesJob paths, the preset overrides). Everything that submits needs the cluster
 (`gpu`-marked tests); the argv, the readback and the gate's files are tested on CPU against Miles' own code.
 """
 
@@ -62,16 +62,6 @@ class ClusterRun:
     """An SGLang server serving hf_checkpoint for the alignment gate; None: launch one here (a GPU host)."""
     idle_timeout_s: float = 3600.0
     """Kill a job that prints nothing this long (a stalled collective), and stop its Ray job."""
-
-    @classmethod
-    def from_miles(cls, miles: Mapping[str, Any]) -> "ClusterRun":
-        """From the flow's plain-dict settings (flows/rl_pipeline.py `_miles`: PipelineParams.site(),
-        .miles_job(), .miles_overrides(), the run directory, the eval interval, the gate's SGLang server)."""
-        site = dict(miles["site"])
-        site["worker_ips"] = tuple(site.get("worker_ips") or ())
-        return cls(preset=miles["preset"], job=MilesJob(**miles["job"]), site=Site(**site), run_dir=miles["run_dir"],
-                   eval_interval=int(miles["eval_interval"]), overrides=dict(miles.get("overrides") or {}),
-                   align_sglang_url=miles.get("align_sglang_url") or None)
 
     def prepare(self) -> PreparedJob:
         return prepare_job(self.preset, self.job, site=self.site, overrides=self.overrides)
