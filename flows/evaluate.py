@@ -9,7 +9,9 @@ Called for a step nobody evaluated, the run's backend evaluates it (tasks/evalua
 engine serving `model_dir` over HTTP, or Miles' eval-only job on the step's checkpoint.
 
     from flows.evaluate import evaluate
-    evaluate(PipelineParams.preset_defaults("tiny-cpu", run_key="x").backend(), 10, "runs/x/weights/current")
+    from flows.params import PipelineParams
+    p = PipelineParams.preset_defaults("tiny-cpu", run_key="x")
+    evaluate(str(p.run_dir), str(p.run_dir / "weights" / "current"), 10, p.backend())
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from tasks.evaluate import eval_task
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate(backend: Backend, step: int, model_dir: str, artifact_key: str | None = None) -> dict:
-    """Publish (evaluating first when nobody has) step `step` of the run of `backend` (flows/params.py
-    PipelineParams.backend); `model_dir`: the weights the embedded engines evaluate."""
-    run_dir = backend.run_dir
+def evaluate(run_dir: str, model_dir: str, step: int, backend: Backend, artifact_key: str | None = None) -> dict:
+    """Publish (evaluating first when nobody has) step `step` of the run in `run_dir`, whose engines are `backend`
+    (flows/params.py PipelineParams.backend); `model_dir`: the weights the embedded engines evaluate."""
+    if Path(run_dir).resolve() != Path(backend.run_dir).resolve():
+        raise ValueError(f"evaluate: run_dir {run_dir} is not the backend's run directory {backend.run_dir}; build "
+                         "the backend from the same PipelineParams (params.backend())")
     path = Path(run_dir) / "eval" / f"step_{step:06d}.json"
     if path.exists():  # the training engine evaluated it (or an earlier run of this subflow did): publish it
         print(f"step {step} evaluated by the training engine: {path}")

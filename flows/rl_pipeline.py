@@ -89,7 +89,7 @@ def _pipeline(params: PipelineParams, log) -> dict:
     training = train.submit(backend, params.training_fingerprint(), progress)
     try:
         for step in landed_evaluations(run_dir, done=lambda timeout: _finished(training, timeout), poll_s=EVAL_POLL_S):
-            evaluate(backend, step, str(run_dir / "weights" / "current"), artifact_key=f"{artifact}-eval")
+            evaluate(str(run_dir), str(run_dir / "weights" / "current"), step, backend, artifact_key=f"{artifact}-eval")
             uploaded = upload_artifacts(str(run_dir), **store)
     except Exception:  # publishing failed: the training is not thrown away for it; the flow fails once it ends
         log.exception("publishing an evaluation failed; the training goes on to its end, then this flow run fails")
