@@ -218,13 +218,16 @@ def test_trainer_export_matches_the_rollout_start_format(tiny_base, tmp_path, ex
     fp4 (the non-default setting) is `slow`: ~10 s more on an idle machine."""
     from engines.train.actors import HTTPRollout, TrainerWorker
     from engines.train.run import _rollout_start_weights
+    from engines.train.trainer import TrainerConfig
+    from rl.grpo import GRPOConfig
 
     logged: list[str] = []
     start, fresh = _rollout_start_weights(str(tiny_base), tmp_path / "run", expert_dtype, logged.append)
     assert fresh and json.loads((start / "config.json").read_text())["expert_dtype"] == expert_dtype
     assert json.loads((tiny_base / "config.json").read_text())["expert_dtype"] == "fp4"
     assert ("converted once to FP8" if expert_dtype == "fp8" else "stay FP4") in logged[0]
-    trainer = TrainerWorker(str(tiny_base), {"rollout_expert_dtype": expert_dtype}, {}, str(tmp_path / "ckpts"))
+    trainer = TrainerWorker(str(tiny_base), TrainerConfig(rollout_expert_dtype=expert_dtype), GRPOConfig(),
+                            str(tmp_path / "ckpts"))
     with torch.no_grad():  # an update: every trained weight moves
         for p in trainer.trainer.model.parameters():
             if p.numel() > 1:

@@ -6,7 +6,8 @@
   RolloutWorker   our rollout engine behind its SGLang-compatible HTTP server on 127.0.0.1; the driver talks
                   to it over real HTTP (HTTPRollout), exactly as it would talk to real SGLang.
 
-Nothing here imports Ray: the classes also run in-process (tests, `v4rl train --no-ray`).
+Nothing here imports Ray: the classes also run in-process (tests, `v4rl train --no-ray`). Their settings arrive
+typed (TrainerConfig, GRPOConfig, EngineConfig), pickled by Ray as they are, never as dicts rebuilt on the far side.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+from engines.rollout.api import EngineConfig
 from engines.train.checkpointing import latest_step, load_training_checkpoint, save_training_checkpoint
 from engines.train.trainer import Sample, Trainer, TrainerConfig
 from rl.grpo import GRPOConfig
@@ -27,13 +29,13 @@ from rl.loop import Completion, Group
 
 
 class TrainerWorker:
-    def __init__(self, base_dir: str, trainer_config: dict, grpo_config: dict, checkpoint_root: str,
+    def __init__(self, base_dir: str, trainer_config: TrainerConfig, grpo_config: GRPOConfig, checkpoint_root: str,
                  seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.base_dir = Path(base_dir)
         self.cfg, native = load_hf_checkpoint(base_dir)
-        self.trainer = Trainer.from_native(self.cfg, native, TrainerConfig(**trainer_config))
-        self.grpo = GRPOConfig(**grpo_config)
+        self.trainer = Trainer.from_native(self.cfg, native, trainer_config)
+        self.grpo = grpo_config
         self.checkpoint_root = Path(checkpoint_root)
 
     def ping(self) -> int:
@@ -93,11 +95,11 @@ def _to_transformers(native: dict, cfg) -> dict:
 class RolloutWorker:
     """Our engine + its HTTP server on 127.0.0.1 in this process; `url()` is what the driver talks to."""
 
-    def __init__(self, model_dir: str, engine_config: dict | None = None, api_key: str | None = None) -> None:
-        from engines.rollout.engine import EngineConfig, RolloutEngine
+    def __init__(self, model_dir: str, engine_config: EngineConfig | None = None, api_key: str | None = None) -> None:
+        from engines.rollout.engine import RolloutEngine
         from engines.rollout.server import RolloutServer
 
-        self.engine = RolloutEngine(model_dir, EngineConfig(**(engine_config or {})))
+        self.engine = RolloutEngine(model_dir, engine_config or EngineConfig())
         self.server = RolloutServer(self.engine, host="127.0.0.1", port=0, api_key=api_key).start()
 
     def url(self) -> str:

@@ -262,7 +262,10 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
            on_step: Callable[[int, dict], None] | None, stop: StopRequest | None) -> dict:
     from transformers import AutoTokenizer
 
+    from engines.rollout.api import EngineConfig
     from engines.train.actors import HTTPRollout
+    from engines.train.trainer import TrainerConfig
+    from rl.grpo import GRPOConfig
 
     # The sinks start on their first row, inside the `with` below that closes them (also on failure)
     runlog = RunLog(run_dir, sinks=open_sinks(config.metric_sinks, run_dir, config=config.to_dict()))
@@ -281,19 +284,19 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
     runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
     api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
-                        trainer_config={"lr": config.lr, "max_tokens_per_gpu": config.max_tokens_per_gpu,
-                                        "recompute": config.recompute,
-                                        "quantization_aware": config.quantization_aware,
-                                        "rollout_expert_dtype": config.rollout_expert_dtype,
-                                        "rollout_weight_format": config.rollout_weights},
-                        grpo_config={"rollout_correction": config.rollout_correction.to_dict()},
+                        trainer_config=TrainerConfig(lr=config.lr, max_tokens_per_gpu=config.max_tokens_per_gpu,
+                                                     recompute=config.recompute,
+                                                     quantization_aware=config.quantization_aware,
+                                                     rollout_expert_dtype=config.rollout_expert_dtype,
+                                                     rollout_weight_format=config.rollout_weights),
+                        grpo_config=GRPOConfig(rollout_correction=config.rollout_correction),
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log,
                                             weight_format=config.rollout_weights)
     # the rollout always returns its routes: the trainer logs train/router_mismatch_frac with replay off too (#29)
     workers = _workers(config, Path(run_dir).name, trainer_args,
                        {"model_dir": str(serving), "api_key": api_key,
-                        "engine_config": {"enable_return_routed_experts": True}})
+                        "engine_config": EngineConfig(enable_return_routed_experts=True)})
     stop = stop or StopRequest()
     stop.check()
     with runlog.sinks, grader, eval_grader, workers as (trainer, rollout_url, call), _stoppable(stop, workers):

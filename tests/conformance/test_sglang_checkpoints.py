@@ -126,12 +126,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One directory per checkpoint kind v4rl writes, each made by the writer a user's command runs."""
     from checkpoints.convert import convert_hf_to_torch_dist, export_torch_dist_to_hf
     from engines.train.actors import TrainerWorker
+    from engines.train.trainer import TrainerConfig
+    from rl.grpo import GRPOConfig
 
     root = tmp_path_factory.mktemp("kinds")
     cfg, native = load_hf_checkpoint(ASSET)
     dirs = {"tiny-base": ASSET}
     dirs["bf16"] = save_hf_checkpoint(root / "bf16", cfg, native, weight_format="bf16", tokenizer_dir=ASSET)
-    TrainerWorker(str(ASSET), {}, {}, str(root / "train-ckpt")).export(str(root / "update"))
+    TrainerWorker(str(ASSET), TrainerConfig(), GRPOConfig(), str(root / "train-ckpt")).export(str(root / "update"))
     dirs["update-fp8-experts"] = root / "update"
     convert_hf_to_torch_dist(ASSET, root / "torch_dist", workers=1)
     for fmt in ("hf-fp8", "hf-bf16"):

@@ -42,6 +42,8 @@ def kinds(tmp_path_factory) -> dict[str, Path]:
     """Every checkpoint kind v4rl writes, each by the writer a user's command runs."""
     from checkpoints.convert import convert_hf_to_torch_dist, export_torch_dist_to_hf
     from engines.train.actors import TrainerWorker
+    from engines.train.trainer import TrainerConfig
+    from rl.grpo import GRPOConfig
 
     root = tmp_path_factory.mktemp("sglang-kinds")
     out = {"tiny-base": ASSET}
@@ -52,8 +54,9 @@ def kinds(tmp_path_factory) -> dict[str, Path]:
     export_torch_dist_to_hf(root / "torch_dist", root / "export-hf-fp8", fmt="hf-fp8", workers=1)
     out["export-hf-fp8"] = root / "export-hf-fp8"
     for dtype in ("fp8", "fp4"):  # the embedded trainer's update directory, in the run's rollout expert format
-        TrainerWorker(str(ASSET), {"rollout_expert_dtype": dtype}, {}, str(root / f"ckpt-{dtype}")).export(
-            str(root / f"trainer-update-{dtype}"))
+        trainer = TrainerWorker(str(ASSET), TrainerConfig(rollout_expert_dtype=dtype), GRPOConfig(),
+                                str(root / f"ckpt-{dtype}"))
+        trainer.export(str(root / f"trainer-update-{dtype}"))
         out[f"trainer-update-{dtype}"] = root / f"trainer-update-{dtype}"
     return out
 
