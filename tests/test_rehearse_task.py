@@ -1,0 +1,147 @@
+"""The preflight rehearsal in the rl-pipeline (issue 28, "In the pipeline"; tasks/rehearse.py), through a real Prefect
+server on 127.0.0.1 with the cluster preset against the file-level stand-in for `ray job submit`
+(tests/cluster_stand_in.py; preflight, convert, verify and align replaced as there, the rehearse task real):
+
+  - rehearse on, and a rehearsal that cannot run (miles_check_dir is not a Miles tree, which the rehearsal refuses
+    in one line): the flow fails at the rehearse task, not retried, before the conversion and before any Ray job
+    is submitted; the flow's state and the `<run>-rehearsal` artifact carry that line;
+  - rehearse off (every preset's default): no rehearse task runs and the one job is submitted;
+  - slow: rehearse=rollout with the vendored Miles runs Miles' own train.py on this host (~2-4 min on 2 cores)
+    and the run goes on to its job, with the stage's seconds and the substitution table in the artifact.
+
+    .venv/bin/python -m pytest tests/test_rehearse_task.py -q            # ~1 min
+    .venv/bin/python -m pytest tests/test_rehearse_task.py -q -m slow    # the real stage-rollout rehearsal
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls, replace_cluster_only_steps
+from tests.prefect_server import flow_run_children
+
+SHORT = dict(steps=2, eval_interval=2)
+"""A two-rollout job: what these tests check happens before it (or that it is submitted at all)."""
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    import flows.rl_pipeline as pipeline
+
+    for name, value in install_stand_in(tmp_path / "bin", tmp_path / "calls.jsonl").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("STAND_IN_ROLLOUT_S", "0.2")
+    for name in ("preflight", "convert", "verify", "align"):
+        monkeypatch.setattr(pipeline, name, getattr(pipeline, name))  # so that the originals come back afterwards
+    replace_cluster_only_steps(pipeline)
+    return tmp_path / "calls.jsonl"
+
+
+def _names(tasks) -> list[str]:
+    return [t.name.rsplit("-", 1)[0] for t in tasks]
+
+
+def _artifact(key: str):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key!r}"
+    return found[0]
+
+
+def test_a_refused_rehearsal_stops_the_run_before_anything_is_submitted(prefect_server, stand_in, tmp_path):  # noqa: F811
+    from flows.rl_pipeline import rl_pipeline
+
+    not_miles = tmp_path / "not-miles"
+    not_miles.mkdir()
+    (not_miles / "README.md").write_text("a checkout of something else\n")
+    # miles_generation given: the flow would otherwise read the generation from that directory first and fail there
+    params = cluster_params(tmp_path, **SHORT, rehearse="rollout", miles_check_dir=str(not_miles), miles_generation=1)
+    state = rl_pipeline(params, return_state=True)
+
+    assert state.is_failed(), state
+    line = (f"rehearsal refused: {not_miles} has no miles_plugins/models/deepseek_v4/deepseek_v4.py: not a Miles "
+            "checkout with DeepSeek-V4 support")
+    assert line in state.message, state.message
+    assert not [c for c in read_calls(stand_in) if "submit" in c], "a Ray job was submitted after a failed rehearsal"
+    tasks, _ = flow_run_children(state.state_details.flow_run_id, expect=("preflight", "rehearse"))
+    assert "convert" not in _names(tasks) and "train" not in _names(tasks), _names(tasks)
+    rehearsal = [t for t in tasks if _names([t]) == ["rehearse"]]
+    assert len(rehearsal) == 1 and rehearsal[0].state.is_failed() and rehearsal[0].run_count == 1, rehearsal
+    artifact = _artifact("cluster-run-rehearsal")
+    assert artifact.type == "markdown" and "Rehearsal (stage rollout): FAILED" in artifact.data
+    assert line in artifact.data, artifact.data
+    assert not (params.run_dir / "rehearsal").exists()  # nothing started, nothing written
+
+
+def test_with_rehearse_off_the_task_does_not_run(prefect_server, stand_in, tmp_path):  # noqa: F811
+    from flows.rl_pipeline import rl_pipeline
+
+    params = cluster_params(tmp_path, **SHORT)
+    assert params.rehearse is None  # the preset's default (engines/presets/spec.py MilesSettings.rehearse)
+    state = rl_pipeline(params, return_state=True)
+    assert state.is_completed(), state
+    tasks, _ = flow_run_children(state.state_details.flow_run_id, expect=("preflight", "train"))
+    assert "rehearse" not in _names(tasks) and "train" in _names(tasks), _names(tasks)
+    assert len([c for c in read_calls(stand_in) if "submit" in c]) == 1
+
+
+def test_failure_line_names_the_stage_and_the_message():
+    from tasks.rehearse import failure_line
+
+    ok = {"ok": True, "seconds": 80.0, "error": None}
+    assert failure_line({"rollout": ok}) is None
+    assert failure_line({"rollout": ok, "train": {"ok": False, "seconds": 9.5, "error": (
+        "stage train: Miles' train.py exited with 1 at miles/utils/arguments.py:1502: AssertionError: TP must be 1")}}
+    ) == "rehearsal stage train failed: Miles' train.py exited with 1 at miles/utils/arguments.py:1502: " \
+         "AssertionError: TP must be 1"
+    assert failure_line({"rollout": {"ok": False, "seconds": 1.0, "error": "Miles exited without logging a rollout"}}
+                        ) == "rehearsal stage rollout failed: Miles exited without logging a rollout"
+    assert failure_line({}) == "rehearsal failed: no stage ran"
+
+
+def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
+    from engines.rehearsal.job import Substitution
+    from engines.rehearsal.run import RehearsalReport
+    from tasks.rehearse import markdown
+
+    report = RehearsalReport(generation=2, miles_dir="/src/miles", work_dir="/runs/r/rehearsal",
+                             stages={"rollout": {"ok": True, "seconds": 88.1, "error": None},
+                                     "train": {"ok": False, "seconds": 12.0, "error": "stage train: a | b"}},
+                             rollouts={"1": {"rollout/raw_reward": 0.25}, "0": {"rollout/raw_reward": 0.0,
+                                                                                "train/tis": 1.019}},
+                             evals=[{"rollout": 0, "datasets": {"aime": {"reward": 0.0, "pass@1": 0.0,
+                                                                         "pass@4": 0.5}}}],
+                             substitutions=[Substitution("--distributed-backend", "nccl", "gloo", "no NCCL on a CPU")])
+    text = markdown("train", report.to_json(), "rehearsal stage train failed: a | b")
+    lines = text.splitlines()
+    assert lines[0] == "# Rehearsal (stage train): FAILED" and "**rehearsal stage train failed: a \\| b**" in lines
+    assert "| rollout | yes | 88.1 |  |" in lines and "| train | no | 12.0 | stage train: a \\| b |" in lines
+    assert "| rollout | rollout/raw_reward | train/tis |" in lines
+    assert lines.index("| 0 | 0 | 1.019 |") < lines.index("| 1 | 0.25 |  |")  # rollouts in order, gaps empty
+    assert "| 0 | aime | pass@1 0, pass@4 0.5 |" in lines
+    assert "| --distributed-backend | nccl | gloo | no NCCL on a CPU |" in lines
+
+
+@pytest.mark.slow
+def test_a_stage_rollout_rehearsal_passes_and_the_run_goes_on(prefect_server, stand_in, tmp_path):  # noqa: F811
+    from engines.upstream import sources as src
+    from flows.rl_pipeline import rl_pipeline
+
+    try:
+        src.miles_tree()
+        src.sglang_paths()
+    except src.EngineSourceMissing as exc:
+        pytest.skip(f"the vendored Miles / SGLang sources are absent: {exc}")
+    params = cluster_params(tmp_path, **SHORT, rehearse="rollout")
+    state = rl_pipeline(params, return_state=True)
+    assert state.is_completed(), state
+    report = json.loads((params.run_dir / "rehearsal.json").read_text())
+    assert report["stages"]["rollout"]["ok"], report["stages"]
+    assert len([c for c in read_calls(stand_in) if "submit" in c]) == 1
+    text = _artifact("cluster-run-rehearsal").data
+    assert "Rehearsal (stage rollout): passed" in text and "--rollout-external" in text, text
