@@ -32,7 +32,7 @@ from prefect.runtime import task_run
 RETRIES = 1
 """Resubmissions of a rehearsal that failed or could not start (2 attempts in all)."""
 METRICS = ("rollout/raw_reward", "train/train_rollout_logprob_abs_diff", "train/tis", "train/tis_clipfrac",
-           "train/grad_norm")
+           "train/grad_norm", "perf/rollout_time")
 """Miles' logged metrics the artifact shows per rollout (names as Miles logs them), where the stage logged them;
 rehearsal.json has every one."""
 
@@ -133,7 +133,8 @@ def markdown(stage: str, report: dict | None, failure: str | None) -> str:
         parts += [f"| {rollout} | " + " | ".join(_number(values.get(m)) for m in shown) + " |"
                   for rollout, values in sorted(report["rollouts"].items(), key=lambda kv: int(kv[0]))]
     if report["evals"]:
-        parts += ["", "## Miles' evaluations", "", "| rollout | dataset | pass@k |", "|---|---|---|"]
+        parts += ["", "## Miles' evaluations", "", "In Miles' log order, under the rollout id Miles logs them with.", "",
+                  "| rollout | dataset | pass@k |", "|---|---|---|"]
         for ev in report["evals"]:
             for dataset, values in ev["datasets"].items():
                 passes = ", ".join(f"{k} {_number(v)}" for k, v in values.items() if k.startswith("pass@"))

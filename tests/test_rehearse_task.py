@@ -6,8 +6,10 @@ server on 127.0.0.1 with the cluster preset against the file-level stand-in for 
     in one line): the flow fails at the rehearse task, not retried, before the conversion and before any Ray job
     is submitted; the flow's state and the `<run>-rehearsal` artifact carry that line;
   - rehearse off (every preset's default): no rehearse task runs and the one job is submitted;
-  - slow: rehearse=rollout with the vendored Miles runs Miles' own train.py on this host (~2-4 min on 2 cores)
-    and the run goes on to its job, with the stage's seconds and the substitution table in the artifact.
+  - slow: a copy of the vendored Miles with a defect planted in its train.py: the stage runs and fails, the task
+    is retried once, and the run stops before any submission with the stage and Miles' own message;
+  - slow: rehearse=rollout with the vendored Miles runs Miles' own train.py on this host (~3-4 min on 2 loaded
+    cores) and the run goes on to its job, with the stage's seconds and the substitution table in the artifact.
 
     .venv/bin/python -m pytest tests/test_rehearse_task.py -q            # ~1 min
     .venv/bin/python -m pytest tests/test_rehearse_task.py -q -m slow    # the real stage-rollout rehearsal
@@ -127,16 +129,53 @@ def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
     assert "| --distributed-backend | nccl | gloo | no NCCL on a CPU |" in lines
 
 
-@pytest.mark.slow
-def test_a_stage_rollout_rehearsal_passes_and_the_run_goes_on(prefect_server, stand_in, tmp_path):  # noqa: F811
+def _vendored_sources_or_skip():
     from engines.upstream import sources as src
-    from flows.rl_pipeline import rl_pipeline
 
     try:
-        src.miles_tree()
+        miles = src.miles_tree()
         src.sglang_paths()
     except src.EngineSourceMissing as exc:
         pytest.skip(f"the vendored Miles / SGLang sources are absent: {exc}")
+    return miles
+
+
+@pytest.mark.slow
+def test_a_rehearsal_whose_miles_fails_stops_the_run_naming_the_stage_and_miles_message(prefect_server,  # noqa: F811
+                                                                                        stand_in, tmp_path):
+    """A copy of the vendored Miles with a defect planted in its own train.py: the stage runs (engine, Ray, Miles'
+    driver), Miles fails, the task retries once in a fresh work dir, then the run stops before any submission."""
+    import shutil
+
+    from flows.rl_pipeline import rl_pipeline
+
+    planted = tmp_path / "miles-planted"
+    shutil.copytree(_vendored_sources_or_skip(), planted, symlinks=True)
+    train_py = planted / "train.py"
+    anchor = "    assert not args.fully_async"
+    assert anchor in train_py.read_text(), "the pinned train.py changed: plant the defect elsewhere"
+    train_py.write_text(train_py.read_text().replace(
+        anchor, '    raise AssertionError("planted defect: the driver stops before placement")\n' + anchor, 1))
+    params = cluster_params(tmp_path, **SHORT, rehearse="rollout", miles_check_dir=str(planted))
+    state = rl_pipeline(params, return_state=True)
+
+    assert state.is_failed(), state
+    assert "rehearsal stage rollout failed: Miles' train.py exited with 1" in state.message, state.message
+    assert "AssertionError: planted defect: the driver stops before placement" in state.message, state.message
+    assert not [c for c in read_calls(stand_in) if "submit" in c]
+    tasks, _ = flow_run_children(state.state_details.flow_run_id, expect=("rehearse",))
+    rehearsal = [t for t in tasks if _names([t]) == ["rehearse"]]
+    assert len(rehearsal) == 1 and rehearsal[0].run_count == 2, rehearsal  # retried once
+    report = json.loads((params.run_dir / "rehearsal.json").read_text())
+    assert not report["stages"]["rollout"]["ok"] and report["miles_dir"] == str(planted)
+    assert "planted defect" in _artifact("cluster-run-rehearsal").data
+
+
+@pytest.mark.slow
+def test_a_stage_rollout_rehearsal_passes_and_the_run_goes_on(prefect_server, stand_in, tmp_path):  # noqa: F811
+    from flows.rl_pipeline import rl_pipeline
+
+    _vendored_sources_or_skip()
     params = cluster_params(tmp_path, **SHORT, rehearse="rollout")
     state = rl_pipeline(params, return_state=True)
     assert state.is_completed(), state
