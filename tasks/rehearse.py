@@ -116,7 +116,8 @@ def failure_line(stages: dict[str, dict]) -> str | None:
 
 
 def markdown(stage: str, report: dict | None, failure: str | None) -> str:
-    """The artifact: the verdict line, then (when it ran) stages, Miles' metrics, evaluations, substitutions."""
+    """The artifact: the verdict line, then (when it ran) stages, Miles' metrics, evaluations, the weight checks and
+    the resume (stage full), substitutions."""
     parts = [f"# Rehearsal (stage {stage}): {'FAILED' if failure else 'passed'}", ""]
     if failure:
         parts += [f"**{_cell(failure)}**", ""]
@@ -139,6 +140,14 @@ def markdown(stage: str, report: dict | None, failure: str | None) -> str:
             for dataset, values in ev["datasets"].items():
                 passes = ", ".join(f"{k} {_number(v)}" for k, v in values.items() if k.startswith("pass@"))
                 parts.append(f"| {ev['rollout']} | {_cell(dataset)} | {passes} |")
+    checks = report.get("weight_checks") or []  # stage full: the engine's weights after each broadcast
+    if checks:
+        parts += ["", "## Weight checks (v4rl's engine after each broadcast vs the actor's export)", "",
+                  "| run | version | tensors sent | ok | first differing tensor |", "|---|---|---|---|---|"]
+        parts += [f"| {_cell(c.get('run', ''))} | {c.get('version', '')} | {c.get('tensors_sent', '')} | "
+                  f"{'yes' if c.get('ok') else 'no'} | {_cell(c.get('first_differing') or '')} |" for c in checks]
+    if report.get("resumed_from"):
+        parts += ["", "Resumed from: " + ", ".join(f"{k} {_cell(v)}" for k, v in report["resumed_from"].items())]
     parts += ["", "## Substitutions (the cluster job, changed where a CPU must differ)", "",
               "| flag or variable | cluster | rehearsal | why |", "|---|---|---|---|"]
     parts += [f"| {_cell(s['name'])} | {_cell(s['cluster'])} | {_cell(s['rehearsal'])} | {_cell(s['why'])} |"

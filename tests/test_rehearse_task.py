@@ -119,7 +119,11 @@ def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
                              evals=[{"rollout": 0, "datasets": {"aime": {"reward": 0.0, "pass@1": 0.0,
                                                                          "pass@4": 0.5}}}],
                              substitutions=[Substitution("--distributed-backend", "nccl", "gloo", "no NCCL on a CPU")])
-    text = markdown("train", report.to_json(), "rehearsal stage train failed: a | b")
+    data = {**report.to_json(), "resumed_from": {"latest_checkpointed_iteration": 0},  # what stage full adds
+            "weight_checks": [{"run": "run 1", "version": 1, "tensors_sent": 12, "ok": True, "first_differing": None},
+                              {"run": "run 1", "version": 2, "tensors_sent": 12, "ok": False,
+                               "first_differing": "layers.0.ffn.gate.tid2eid"}]}
+    text = markdown("train", data, "rehearsal stage train failed: a | b")
     lines = text.splitlines()
     assert lines[0] == "# Rehearsal (stage train): FAILED" and "**rehearsal stage train failed: a \\| b**" in lines
     assert "| rollout | yes | 88.1 |  |" in lines and "| train | no | 12.0 | stage train: a \\| b |" in lines
@@ -127,6 +131,8 @@ def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
     assert lines.index("| 0 | 0 | 1.019 |") < lines.index("| 1 | 0.25 |  |")  # rollouts in order, gaps empty
     assert "| 0 | aime | pass@1 0, pass@4 0.5 |" in lines
     assert "| --distributed-backend | nccl | gloo | no NCCL on a CPU |" in lines
+    assert "| run 1 | 1 | 12 | yes |  |" in lines and "| run 1 | 2 | 12 | no | layers.0.ffn.gate.tid2eid |" in lines
+    assert "Resumed from: latest_checkpointed_iteration 0" in lines
 
 
 def _vendored_sources_or_skip():
