@@ -12,7 +12,7 @@ Miles' own message, and the flow stops there: before the conversion, the alignme
 Retries: RETRIES more attempts, each in a fresh work dir, for a rehearsal that ran and failed or could not start
 (a stage past its timeout, a port taken between check and bind, a Ray head that did not come up); none for what a
 retry cannot fix (RehearsalRefused: a directory that is not a Miles tree, a Megatron-LM that does not fit that
-Miles, a stage this v4rl has not built).
+Miles, a Miles of another generation than the run's, a stage this v4rl has not built).
 
     .venv/bin/python -m pytest tests/test_rehearse_task.py -q
 """
@@ -65,15 +65,21 @@ def rehearse(preset: str, stage: str, miles: dict, run_dir: str, *, artifact_key
     from engines.rehearsal.run import rehearse as run_rehearsal
 
     log = get_run_logger()
-    work = Path(run_dir) / "rehearsal"
+    work, report_json = Path(run_dir) / "rehearsal", Path(run_dir) / "rehearsal.json"
+    report_json.unlink(missing_ok=True)  # what is there is this attempt's report, or nothing
     overrides = miles.get("overrides") or {}
+    effective, _ = resolve(preset, overrides)
     req = RehearsalRequest(stage=stage, miles_dir=miles.get("miles_dir"), megatron_dir=miles.get("megatron_dir"),
                            work_dir=str(work), dsv4_impl=overrides.get("dsv4_impl"))
     try:
         if stage not in STAGES:
             raise RehearsalError(f"rehearse={stage!r}: this v4rl's rehearsal has the stages {', '.join(STAGES)}; "
                                  "pick one of them or leave rehearse empty")
-        resolve_trees(req)  # the Miles and Megatron-LM trees, as the rehearsal will resolve them
+        miles_here, _, generation = resolve_trees(req)  # the trees as the rehearsal will resolve them
+        if generation != effective.miles.generation:  # rehearsing another Miles than the cluster's proves nothing
+            raise RehearsalError(f"the run's Miles is generation {effective.miles.generation} but the Miles on this "
+                                 f"host ({miles_here}) is generation {generation}; point miles_check_dir at a checkout "
+                                 "of the cluster's Miles (or set miles_generation to the cluster's)")
     except RehearsalError as exc:
         line = f"rehearsal refused: {exc}"
         _publish(artifact_key, stage, None, line)
@@ -82,7 +88,6 @@ def rehearse(preset: str, stage: str, miles: dict, run_dir: str, *, artifact_key
         log.info("rehearsal attempt %d of %d, in a fresh work dir (why: the failure above)", task_run.run_count,
                  RETRIES + 1)
     shutil.rmtree(work, ignore_errors=True)  # a fresh work dir: a retry must not --load an attempt's save
-    effective, _ = resolve(preset, overrides)
     try:
         report = run_rehearsal(req, preset=effective, log=log.info)
     except RehearsalError as exc:  # it could not start: Ray's head, the engine, a port
@@ -90,13 +95,13 @@ def rehearse(preset: str, stage: str, miles: dict, run_dir: str, *, artifact_key
         _publish(artifact_key, stage, None, line)
         raise RehearsalFailed(line) from None
     out = report.to_json()
-    _write_json(Path(run_dir) / "rehearsal.json", out)
+    _write_json(report_json, out)
     line = failure_line(out["stages"])
     _publish(artifact_key, stage, out, line)
     if line:
         raise RehearsalFailed(f"{line} (logs: {work})")
     log.info("rehearsal passed: %s", ", ".join(f"{name} {s['seconds']} s" for name, s in out["stages"].items()))
-    return {"ok": True, "stages": out["stages"], "report": str(Path(run_dir) / "rehearsal.json")}
+    return {"ok": True, "stages": out["stages"], "report": str(report_json)}
 
 
 def failure_line(stages: dict[str, dict]) -> str | None:

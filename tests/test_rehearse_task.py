@@ -5,6 +5,7 @@ server on 127.0.0.1 with the cluster preset against the file-level stand-in for 
   - rehearse on, and a rehearsal that cannot run (miles_check_dir is not a Miles tree, which the rehearsal refuses
     in one line): the flow fails at the rehearse task, not retried, before the conversion and before any Ray job
     is submitted; the flow's state and the `<run>-rehearsal` artifact carry that line;
+  - rehearse on with this host's Miles of another generation than the run's: refused in one line the same way;
   - rehearse off (every preset's default): no rehearse task runs and the one job is submitted;
   - slow: a copy of the vendored Miles with a defect planted in its train.py: the stage runs and fails, the task
     is retried once, and the run stops before any submission with the stage and Miles' own message;
@@ -45,14 +46,16 @@ def _names(tasks) -> list[str]:
     return [t.name.rsplit("-", 1)[0] for t in tasks]
 
 
-def _artifact(key: str):
+def _artifacts(key: str, state) -> list:
+    """The artifacts `key` of the flow run of `state`, newest first (the session's server holds every test's)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
+    run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
-    assert found, f"no artifact {key!r}"
-    return found[0]
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=run),
+                                     sort=ArtifactSort.CREATED_DESC)
 
 
 def test_a_refused_rehearsal_stops_the_run_before_anything_is_submitted(prefect_server, stand_in, tmp_path):  # noqa: F811
@@ -74,10 +77,30 @@ def test_a_refused_rehearsal_stops_the_run_before_anything_is_submitted(prefect_
     assert "convert" not in _names(tasks) and "train" not in _names(tasks), _names(tasks)
     rehearsal = [t for t in tasks if _names([t]) == ["rehearse"]]
     assert len(rehearsal) == 1 and rehearsal[0].state.is_failed() and rehearsal[0].run_count == 1, rehearsal
-    artifact = _artifact("cluster-run-rehearsal")
+    artifacts = _artifacts("cluster-run-rehearsal", state)
+    assert len(artifacts) == 1, artifacts  # one attempt
+    artifact = artifacts[0]
     assert artifact.type == "markdown" and "Rehearsal (stage rollout): FAILED" in artifact.data
     assert line in artifact.data, artifact.data
     assert not (params.run_dir / "rehearsal").exists()  # nothing started, nothing written
+
+
+def test_a_rehearsal_of_another_miles_generation_than_the_runs_is_refused(prefect_server, stand_in,  # noqa: F811
+                                                                          tmp_path):
+    """The run targets generation 2; this host's Miles (the vendored default, generation 1) would rehearse another
+    job: refused in one line, not retried, nothing started or submitted."""
+    from flows.rl_pipeline import rl_pipeline
+
+    miles = _vendored_sources_or_skip()
+    params = cluster_params(tmp_path, **SHORT, rehearse="rollout", miles_generation=2)
+    state = rl_pipeline(params, return_state=True)
+    assert state.is_failed(), state
+    assert (f"rehearsal refused: the run's Miles is generation 2 but the Miles on this host ({miles}) is generation "
+            "1; point miles_check_dir at a checkout of the cluster's Miles") in state.message, state.message
+    assert not [c for c in read_calls(stand_in) if "submit" in c]
+    tasks, _ = flow_run_children(state.state_details.flow_run_id, expect=("rehearse",))
+    assert [t.run_count for t in tasks if _names([t]) == ["rehearse"]] == [1]
+    assert not (params.run_dir / "rehearsal").exists()
 
 
 def test_with_rehearse_off_the_task_does_not_run(prefect_server, stand_in, tmp_path):  # noqa: F811
@@ -174,7 +197,8 @@ def test_a_rehearsal_whose_miles_fails_stops_the_run_naming_the_stage_and_miles_
     assert len(rehearsal) == 1 and rehearsal[0].run_count == 2, rehearsal  # retried once
     report = json.loads((params.run_dir / "rehearsal.json").read_text())
     assert not report["stages"]["rollout"]["ok"] and report["miles_dir"] == str(planted)
-    assert "planted defect" in _artifact("cluster-run-rehearsal").data
+    artifacts = _artifacts("cluster-run-rehearsal", state)
+    assert len(artifacts) == 2 and all("planted defect" in a.data for a in artifacts), artifacts  # one per attempt
 
 
 @pytest.mark.slow
@@ -188,5 +212,5 @@ def test_a_stage_rollout_rehearsal_passes_and_the_run_goes_on(prefect_server, st
     report = json.loads((params.run_dir / "rehearsal.json").read_text())
     assert report["stages"]["rollout"]["ok"], report["stages"]
     assert len([c for c in read_calls(stand_in) if "submit" in c]) == 1
-    text = _artifact("cluster-run-rehearsal").data
+    text = _artifacts("cluster-run-rehearsal", state)[0].data
     assert "Rehearsal (stage rollout): passed" in text and "--rollout-external" in text, text
