@@ -18,7 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
-from engines.presets.runs import run_numbers
+from engines.presets.runs import get_run_preset, run_numbers
+from engines.presets.spec import RehearsalStage
 
 from rl.correction_setting import MIS_ALTERNATIVE, MIS_EXAMPLE, Mode, RolloutCorrection
 from rl.field_docs import field_docs
@@ -32,10 +33,11 @@ tiny-cpu preset's, and a cluster preset fills in its own (PRESET_PARAMS)."""
 _TINY = {name: value for name, value in run_numbers("tiny-cpu").items() if name in FORM_NUMBERS}
 PRESET_PARAMS: dict[str, dict] = {
     name: {**{k: v for k, v in run_numbers(name).items() if k in FORM_NUMBERS},
-           "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8"}
+           "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8", "rehearse": get_run_preset(name).miles.rehearse}
     for name in ("dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu")}
 """Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
 own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
+_REHEARSE_DOC = field_docs("engines.presets.spec", "MilesSettings")["rehearse"]
 _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
 
@@ -143,6 +145,7 @@ class PipelineParams(BaseModel):
                                          "`sglang/`) the cluster runs: preflight builds its DeepSeek-V4 model on CPU "
                                          "and refuses the run when an online update does not reproduce a fresh load "
                                          "(3-5 min); None: not checked.")
+    rehearse: RehearsalStage | None = Field(get_run_preset("tiny-cpu").miles.rehearse, description=_REHEARSE_DOC)
     align_sglang_url: str | None = Field(None, description="SGLang server serving hf_checkpoint for the cluster "
                                          "alignment gate (e.g. http://10.0.0.3:30000); empty: one engine is launched "
                                          "on the Ray cluster for the gate and stopped before Megatron rescores.")
@@ -215,6 +218,16 @@ class PipelineParams(BaseModel):
                 raise ValueError(f"{name}={value!r} applies to the embedded tiny-cpu run only; on {self.preset} Miles "
                                  "trains, evaluates and grades with its own --rm-type math: leave it at auto or "
                                  "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
+        return self
+
+    @model_validator(mode="after")
+    def _rehearsal_needs_a_miles_job(self) -> "PipelineParams":
+        from engines.backends import backend_name
+
+        if self.rehearse and backend_name(self.preset) != "miles":
+            raise ValueError(f"rehearse={self.rehearse!r}: {self.preset} runs the embedded engines here, with no Miles "
+                             "job to rehearse; leave rehearse empty, or rehearse a cluster preset "
+                             "(dsv4-flash-mi355x, ...)")
         return self
 
     @model_validator(mode="after")

@@ -1,6 +1,6 @@
 """The rl-pipeline flow, read top to bottom as DESIGN.md's data flow:
 
-    preflight -> convert -> verify -> align
+    preflight -> [rehearse: cluster presets with `rehearse` set] -> convert -> verify -> align
     train: ONE long-running task (retryable, resumes), the engine evaluating itself every eval_interval steps
            and checkpointing every save_interval; meanwhile, for each evaluation as it lands:
            evaluate (subflow: artifact row, pass@k plot) -> upload
@@ -39,6 +39,7 @@ from flows.params import PipelineParams
 from tasks.align import align
 from tasks.checkpoint import convert, verify
 from tasks.preflight import preflight
+from tasks.rehearse import rehearse
 from tasks.report import publish_report
 from tasks.train import train
 from tasks.upload import upload_artifacts
@@ -79,6 +80,8 @@ def _pipeline(params: PipelineParams, log) -> dict:
               train_data=params.train_data, eval_data=params.eval_data, prompts_per_step=params.prompts_per_step,
               n_eval=params.n_eval, reward=params.reward, eval_reward=params.eval_reward, input_key=params.input_key,
               label_key=params.label_key)
+    if params.rehearse:  # a cluster preset's Miles job on this host's CPU (tasks/rehearse.py); fails before any GPU
+        rehearse(params.preset, params.rehearse, backend, str(run_dir), artifact_key=f"{artifact}-rehearsal")
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"), megatron_names=backend.megatron_names)
     verify(converted["dst"], params.hf_checkpoint)
     alignment = align(params.hf_checkpoint, converted["dst"], str(run_dir / "align.json"), backend=backend,

@@ -136,3 +136,36 @@ def test_embedded_configs_built_for_tiny_cpu_are_the_preset(tmp_path, monkeypatc
                                                 seen["config"]["loop"]["n_samples"],
                                                 seen["config"]["max_tokens_per_gpu"],
                                                 seen["config"]["loop"]["max_new_tokens"])
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", *CLUSTER_PRESETS])
+def test_the_rehearse_setting_is_the_presets_on_every_surface(preset):
+    """MilesSettings.rehearse (engines/presets/spec.py) is the one definition: the form's default per preset, its
+    description, and what the deployments write (issue 28's preflight rehearsal)."""
+    from engines.presets.runs import get_run_preset
+    from rl.field_docs import field_docs
+
+    expected = get_run_preset(preset).miles.rehearse
+    assert PipelineParams.preset_defaults(preset).rehearse == expected
+    assert PipelineParams.model_validate({"preset": preset}).rehearse == expected
+    assert PipelineParams.model_fields["rehearse"].description == field_docs("engines.presets.spec",
+                                                                             "MilesSettings")["rehearse"]
+    if preset != "tiny-cpu":
+        assert PRESET_PARAMS[preset]["rehearse"] == expected
+    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        params = deployment["parameters"]["params"]
+        if deployment["entrypoint"].startswith("flows/rl_pipeline.py") and preset_name(params["preset"]) == preset:
+            # the UI's form shows the field; a cluster deployment writes it out as its preset has it
+            assert params.get("rehearse", expected) == expected, deployment["name"]
+            assert preset == "tiny-cpu" or "rehearse" in params, deployment["name"]
+
+
+def test_rehearse_is_refused_on_the_embedded_preset_in_one_line():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        PipelineParams.preset_defaults("tiny-cpu", rehearse="rollout")
+    assert "rehearse='rollout': tiny-cpu runs the embedded engines here, with no Miles job to rehearse; leave " \
+           "rehearse empty" in str(err.value)
+    assert PipelineParams.preset_defaults("dsv4-flash-mi355x", rehearse="train").rehearse == "train"

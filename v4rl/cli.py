@@ -33,6 +33,7 @@ TINY = run_numbers("tiny-cpu")
 """`v4rl train`'s defaults: the tiny-cpu preset's numbers (engines/presets/runs.py TINY_RUN), as the flow's form."""
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
+ROLLOUT_WEIGHTS = field_default_and_doc("engines.train.run", "TrainRunConfig", "rollout_weights")
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
     field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
     for name in ("mode", "opsm", "opsm_delta", "routing_replay"))
@@ -138,6 +139,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           rollout_expert_dtype: str = typer.Option("fp8", help="Routed experts as the rollout engine serves them and "
                                                                "every weight update carries: fp8 (the base's FP4 "
                                                                "experts converted once at the start, logged) or fp4."),
+          rollout_weights: str = typer.Option(ROLLOUT_WEIGHTS[0], help=f"{ROLLOUT_WEIGHTS[1]} `v4rl train` turns "
+                                                                       "quantization_aware off with bf16."),
           ray: bool = typer.Option(True, help="Host trainer and rollout as Ray actors (loopback-only local cluster "
                                               "unless RAY_ADDRESS is set)."),
           tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write metrics and evals as "
@@ -163,7 +166,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
     problems = [p for p in (inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
                             inputs.data_file("--train-data", train_data), inputs.data_file("--eval-data", eval_data))
                 if p] + setting_problems(reward=reward, eval_reward=eval_reward,
-                                         rollout_expert_dtype=rollout_expert_dtype)
+                                         rollout_expert_dtype=rollout_expert_dtype, rollout_weights=rollout_weights)
     correction = None
     try:
         correction = RolloutCorrection(mode=rollout_correction, opsm=opsm, opsm_delta=opsm_delta,
@@ -181,7 +184,9 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                  lr=lr, use_ray=ray, tensorboard=tensorboard, wandb=wandb, train_data=train_data,
                                  eval_data=eval_data, input_key=input_key, label_key=label_key, reward=reward,
                                  eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
-                                 rollout_expert_dtype=rollout_expert_dtype, prompts_per_step=prompts_per_step,
+                                 rollout_expert_dtype=rollout_expert_dtype, rollout_weights=rollout_weights,
+                                 # unquantized rollout: no FP8 rounding for the trainer's forward to reproduce
+                                 quantization_aware=rollout_weights == "fp8", prompts_per_step=prompts_per_step,
                                  n_samples=n_samples, eval_interval=eval_interval, eval_samples=eval_samples,
                                  seed=seed,
                                  dynamic_sampling=dynamic_sampling, rollout_correction=correction)

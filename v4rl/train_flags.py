@@ -3,7 +3,8 @@ names a problem by its config field (`rollout_expert_dtype='bf16'`, `train_data 
 is right for the Prefect form and the flow parameters, but a command-line user typed `--rollout-expert-dtype` and
 `--prompts-per-step`. Every setting is checked up front, so all of a command line's mistakes come back at once.
 
-    problems = setting_problems(reward="nope", eval_reward="auto", rollout_expert_dtype="bf16")  # two lines
+    problems = setting_problems(reward="nope", eval_reward="auto", rollout_expert_dtype="bf16",
+                                rollout_weights="fp8")  # two lines
     as_flags("train_data has only 2 usable rows ... (prompts_per_step=128)")  # '--train-data ... (--prompts-per-step=128)'
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 
 FIELDS = ("train_data", "eval_data", "prompts_per_step", "n_samples", "n_eval", "eval_interval", "eval_reward",
-          "max_grader_error_ratio", "rollout_expert_dtype", "dynamic_sampling")
+          "max_grader_error_ratio", "rollout_expert_dtype", "rollout_weights", "dynamic_sampling")
 """TrainRunConfig / LoopConfig fields that are `v4rl train` flags of the same name with dashes (input_key and
 label_key are not here: the data loader's message names both spellings itself)."""
 
@@ -27,9 +28,10 @@ def as_flags(message: str) -> str:
     return _REWARD.sub("--reward", message)
 
 
-def setting_problems(*, reward: str, eval_reward: str, rollout_expert_dtype: str) -> list[str]:
+def setting_problems(*, reward: str, eval_reward: str, rollout_expert_dtype: str,
+                     rollout_weights: str) -> list[str]:
     """One line per setting the run would refuse (the same checks TrainRunConfig makes), named by its flag."""
-    from engines.train.run import EXPERT_DTYPES
+    from engines.train.run import EXPERT_DTYPES, ROLLOUT_WEIGHTS
     from rl.reward_spec import check_reward_spec
 
     problems = []
@@ -41,4 +43,7 @@ def setting_problems(*, reward: str, eval_reward: str, rollout_expert_dtype: str
     if rollout_expert_dtype not in EXPERT_DTYPES:
         problems.append(f"--rollout-expert-dtype {rollout_expert_dtype!r} is not a routed-expert storage the rollout "
                         f"engine serves; choose one of {', '.join(EXPERT_DTYPES)}")
+    if rollout_weights not in ROLLOUT_WEIGHTS:
+        problems.append(f"--rollout-weights {rollout_weights!r} is not a way the rollout engine serves the linears; "
+                        f"choose fp8 (FP8 rollout, as on the cluster) or bf16 (unquantized)")
     return problems

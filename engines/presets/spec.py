@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engines.layout import ModelShape, ParallelSpec, RolloutSpec, TrainSpec
 from rl.correction_setting import RolloutCorrection
@@ -102,6 +102,10 @@ class AlgorithmSpec:
     """--adam-beta2."""
 
 
+RehearsalStage = Literal["rollout", "train", "full"]
+"""A stage of `v4rl rehearse` (docs/rehearsal.md): rollout only, rollout then train, or the whole loop."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MilesSettings:
     """Choices where a Miles run could go two ways; each says what Miles' own launcher does."""
@@ -146,6 +150,14 @@ class MilesSettings:
     dsv4_hybrid attention (THD); needs TP=1 (Miles refuses more) and a `--dsa-kernel-backend`: cudnn (Megatron's
     default) exists on CUDA only, so v4rl passes `none` (the PyTorch path) on other accelerators. Both read the
     same checkpoint names; their torch_dist training saves are not interchangeable."""
+    rehearse: RehearsalStage | None = None
+    """Preflight rehearsal: the `v4rl rehearse --stage` (rollout, train or full) the rl-pipeline runs on its own host
+    before it submits the Ray job: Miles' own train.py on local Ray, v4rl's engine as its SGLang, this run's job
+    changed only where a CPU must differ (docs/rehearsal.md), with the Miles checkout there (miles_check_dir, else
+    $V4RL_MILES_DIR or the vendored pins). A failed rehearsal stops the run before any GPU is allocated. None: no
+    rehearsal, every preset's default, because it costs minutes of the flow host's CPU (rollout ~2 min and ~5 GiB
+    on 2 cores, train ~5 min) and needs Miles, Megatron-LM and SGLang sources there; turn it on for the first run
+    of a Miles checkout, preset or layout. The embedded tiny-cpu preset has no Miles job and never rehearses."""
 
 
 @dataclass(frozen=True, kw_only=True)

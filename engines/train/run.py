@@ -55,6 +55,8 @@ NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval
                       "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label",
                       "rollout_correction": RolloutCorrection().to_dict(), "rollout_weights": "fp8"}
 """Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
+ROLLOUT_WEIGHTS = ("fp8", "bf16")
+"""How a rollout engine can serve the linears (TrainRunConfig.rollout_weights): FP8 128x128 blocks, or unquantized."""
 EXPERT_DTYPES = ("fp8", "fp4")
 """Routed-expert storage a rollout engine can serve (checkpoints.hf: FP8 128x128 blocks, FP4 E2M1 + UE8M0 1x32)."""
 ROLLOUT_API_KEY_ENV = "V4RL_ROLLOUT_API_KEY"
@@ -149,7 +151,7 @@ class TrainRunConfig:
         if self.save_interval < 1:
             raise ValueError(f"save_interval={self.save_interval}: give 1 or more (a checkpoint every that many "
                              "steps, and at the last step)")
-        if self.rollout_weights not in ("fp8", "bf16"):
+        if self.rollout_weights not in ROLLOUT_WEIGHTS:
             raise ValueError(f"rollout_weights={self.rollout_weights!r}: choose fp8 (FP8 rollout) or bf16 (unquantized)")
         if self.rollout_weights == "bf16" and self.quantization_aware:
             raise ValueError("rollout_weights='bf16' serves unquantized weights, so there is no FP8 rounding for the "
