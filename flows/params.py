@@ -231,6 +231,19 @@ class PipelineParams(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _miles_checkout_has_a_generation(self) -> "PipelineParams":
+        # resolved_miles_generation reads the checkout at conversion time; a non-Miles tree is refused here, in one
+        # line, before the run starts, not as a traceback from the first task that asks
+        if self.miles_check_dir and self.miles_generation is None:
+            from engines.train.miles.generation import MilesGenerationError, detect_generation
+
+            try:
+                detect_generation(self.miles_check_dir)
+            except MilesGenerationError as exc:
+                raise ValueError(f"miles_check_dir: {exc}; or set miles_generation") from None
+        return self
+
+    @model_validator(mode="after")
     def _correction_reaches_the_trainer(self) -> "PipelineParams":
         self.correction()  # ValueError naming the field and the fix
         if self.preset != "tiny-cpu" and self.rollout_correction in MIS_ALTERNATIVE:

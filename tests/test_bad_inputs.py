@@ -257,6 +257,8 @@ def test_invalid_pipeline_parameters_fail_before_anything_runs(prefect_server, t
         (dict(input_key=""), "params.input_key: String should have at least 1 character"),
         (dict(preset="dsv4-flash-mi355x", miles_check_dir=str(tmp_path / "miles")),
          "miles_check_dir " + str(tmp_path / "miles") + ": no such directory on this host"),
+        (dict(preset="dsv4-flash-mi355x", miles_check_dir=str(tmp_path)),  # a directory, but not a Miles tree
+         f"miles_check_dir: {tmp_path} has no miles_plugins/models/deepseek_v4/deepseek_v4.py: not a Miles checkout"),
         (dict(runs_root=str(tmp_path / "afile")), "runs_root " + str(tmp_path / "afile") + " is a file"),
         (dict(store_url="ftp://host/x"), "params.store_url: Value error, store_url:"),
     ]
