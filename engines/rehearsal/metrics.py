@@ -24,6 +24,8 @@ class MilesMetrics:
     """{rollout id (str, a JSON key): every rollout-side metric Miles logged for it (perf, rollout, ...)}."""
     evals: list[dict] = field(default_factory=list)
     """[{"rollout": id, "datasets": {name: {"reward", "pass@k", ...}}}] in log order."""
+    trained: list[int] = field(default_factory=list)
+    """The rollout id of each train step Miles logged, in log order (a rollout trained twice appears twice)."""
 
 
 def read_metrics(log: Path, steps_per_rollout: int = 1) -> MilesMetrics:
@@ -38,6 +40,8 @@ def read_metrics(log: Path, steps_per_rollout: int = 1) -> MilesMetrics:
                 continue
             if record.kind == "step":  # Miles' train step (--num-steps-per-rollout 1: the rollout id)
                 out.rollouts.setdefault(str(record.index // steps_per_rollout), {}).update(record.metrics)
+                if record.index % steps_per_rollout == 0:
+                    out.trained.append(record.index // steps_per_rollout)
             elif record.kind in ROLLOUT_KINDS:
                 out.rollouts.setdefault(str(record.index), {}).update(record.metrics)
             elif record.kind == "eval":
