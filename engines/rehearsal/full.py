@@ -3,7 +3,8 @@
 Run 1: v4rl's engine on the tiny checkpoint, a local Ray head, Miles' train.py with `--num-rollout 3`: Miles'
 initial broadcast of its actor's weights (`update_weights_from_distributed` over gloo into the engine), its eval
 before rollout 0 (pass@k), then per rollout generate -> train -> save (`--save-interval 1`) -> broadcast -> eval.
-Once Miles has saved rollout 1 (Megatron's `latest_checkpointed_iteration.txt` reads 2), the engine holds the
+Once Miles has saved rollout 1 (Megatron's `latest_checkpointed_iteration.txt` reads 1: Miles saves rollout r
+as iteration r), the engine holds the
 weights trained on it and its eval was logged, the whole run is killed (SIGKILL to Miles' process group, then its
 Ray session and the engine), in the middle of rollout 2. The resume: a fresh engine (the HF checkpoint's weights
 again, until Miles' first broadcast), a fresh Ray head, the same train.py argv: Miles loads `--load`, continues at
@@ -37,6 +38,10 @@ BUCKET_ROW = Substitution(
     "no bucket", "the update unit just gathered as its bucket", "Miles defect: DeepSeek-V4's converter packs the "
     "hyper-connection alphas from the bucket (deepseekv4.py:55, TypeError in the first broadcast); the tensor "
     "update path passes it; worked around from outside (bootstrap), Miles' file unchanged")
+EXPERTS_ROW = Substitution(
+    "tiny checkpoint's routed experts", "FP4 (the release's storage)", "FP8 blocks (hf-fp8-experts/)",
+    "Miles' broadcast quantizes experts to FP8 blocks (quantizer_fp8.py: linear_fc1/fc2), and v4rl's engine refuses "
+    "FP8 bytes for FP4-stored experts; so a cluster's SGLang serving FP4 experts gets FP8 ones from this Miles")
 FP8_ROW = Substitution(
     "miles/utils/fp8_kernel.py blockwise_cast_to_fp8_triton", "triton kernel", "the kernel's math in torch "
     "(bootstrap)", "no triton on a CPU; Miles quantizes each broadcast weight to the checkpoint's FP8 blocks")
@@ -51,7 +56,7 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
     from engines.rehearsal import run as r
 
     work, hf = paths.work, paths.hf_checkpoint
-    r._convert_ref(hf, work / "ref", miles, log)
+    r._convert_ref(hf, work / "ref", miles, log, force=True)  # the FP8-expert checkpoint's, whatever was there
     save = work / "save"
     shutil.rmtree(save, ignore_errors=True)  # a rerun in the same work dir starts from --ref-load again
     shutil.rmtree(work / "broadcasts", ignore_errors=True)
@@ -66,7 +71,7 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
         except ValueError as exc:
             raise r.RehearsalError(f"the rehearsal job: {exc}") from None
         argv = job.argv + impl_args
-        subs = job.substitutions + r._impl_rows(job.argv, impl_args) + [r.PLACEMENT_ROW, BUCKET_ROW, BROADCAST_ROW, GLOO_ROW, FP8_ROW,
+        subs = job.substitutions + r._impl_rows(job.argv, impl_args) + [EXPERTS_ROW, r.PLACEMENT_ROW, BUCKET_ROW, BROADCAST_ROW, GLOO_ROW, FP8_ROW,
                                                                         *r.TRAIN_STANDIN_ROWS]
         report.substitutions += [s for s in subs if s not in report.substitutions]
         broadcasts = work / "broadcasts" / label
@@ -119,7 +124,7 @@ def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeou
 
 
 class _KillPoint:
-    """True (and `fired`) once rollout KILL_AFTER_ROLLOUT is saved, its broadcast recorded (the initial one is v1)
+    """True (and `fired`) once rollout KILL_AFTER_ROLLOUT is saved (Miles saves rollout r as iteration r), its broadcast recorded (the initial one is v1)
     and the eval after it logged (one before rollout 0, one after each rollout)."""
 
     def __init__(self, save: Path, broadcasts: Path, log_path: Path) -> None:
@@ -127,7 +132,7 @@ class _KillPoint:
         self.record = broadcasts / f"broadcast-v{KILL_AFTER_ROLLOUT + 2}.json"
 
     def __call__(self) -> bool:
-        self.fired = self.fired or ((latest_iteration(self.save) or 0) >= KILL_AFTER_ROLLOUT + 1
+        self.fired = self.fired or ((latest_iteration(self.save) or -1) >= KILL_AFTER_ROLLOUT
                                     and self.record.is_file()
                                     and len(read_metrics(self.log_path).evals) >= KILL_AFTER_ROLLOUT + 2)
         return self.fired
@@ -165,9 +170,9 @@ def _run_outcome(label: str, killed: bool, log_path: Path, extras: dict) -> str 
 def _check_resume(extras: dict, broadcasts: Path, metrics, want: list[int]) -> str | None:
     resumed = extras["resumed_from"]
     resumed["rollout_id"] = metrics.trained[0]
-    if resumed["latest_checkpointed_iteration"] != want[0]:
+    if resumed["latest_checkpointed_iteration"] != want[0] - 1:
         return f"latest_checkpointed_iteration.txt read {resumed['latest_checkpointed_iteration']} before the " \
-               f"resume, expected {want[0]} (one save per rollout trained)"
+               f"resume, expected {want[0] - 1} (Miles saves rollout r as iteration r)"
     last = broadcasts / "run-1" / f"broadcast-v{KILL_AFTER_ROLLOUT + 2}.safetensors"
     first = broadcasts / "resume" / "broadcast-v1.safetensors"
     moved = first_differing_tensor(broadcasts / "run-1" / "broadcast-v1.safetensors", last)

@@ -143,7 +143,11 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=gen))
     stages = [req.stage] if req.stage != "train" else (["train"] if given_data else ["rollout", "train"])
     paths = RehearsalPaths(hf, train, evals, work, rollout_data=given_data)
-    if req.stage == "full":
+    if req.stage == "full":  # Miles' broadcast sends FP8 experts: the engine serves FP8 experts (full.py)
+        hf_full = work / "hf-fp8-experts"
+        if not (hf_full / "config.json").is_file():
+            make_tiny_checkpoint(hf_full, expert_dtype="fp8")
+        paths = RehearsalPaths(hf_full, train, evals, work)
         return _full(req, preset, paths, miles, megatron, impl_args, report, log)
     for stage in stages:
         if stage == "train" and not report.stages.get("rollout", {"ok": True})["ok"]:
@@ -290,14 +294,14 @@ def _impl_rows(argv: list[str], impl_args: list[str]) -> list[Substitution]:
             for flag, value in given.items() if job.get(flag) != value]
 
 
-def _convert_ref(hf: Path, ref: Path, miles: Path, log) -> None:
+def _convert_ref(hf: Path, ref: Path, miles: Path, log, *, force: bool = False) -> None:
     """v4rl's torch_dist conversion of the tiny checkpoint under the names this Miles' model asks for, as
     `v4rl convert --miles-dir` writes it (a no-op when up to date)."""
     from checkpoints.convert import convert_hf_to_torch_dist
     from engines.train.miles.generation import megatron_names_for
 
     names, why = megatron_names_for(miles)
-    result = convert_hf_to_torch_dist(hf, ref, workers=1, megatron_names=names)
+    result = convert_hf_to_torch_dist(hf, ref, workers=1, megatron_names=names, force=force)
     if not result.skipped:
         log(f"--ref-load: v4rl convert {hf} -> {ref} ({names} names: {why})")
 

@@ -268,7 +268,7 @@ def test_full_stage_runs_miles_loop_kill_and_resume(miles_gen2_tree, sglang_path
     assert [(c["run"], c["version"]) for c in report.weight_checks] == [
         ("run-1", 1), ("run-1", 2), ("run-1", 3), ("resume", 1), ("resume", 2)]
     assert all(c["ok"] and c["tensors_sent"] > 0 for c in report.weight_checks), report.weight_checks
-    assert report.resumed_from == {"latest_checkpointed_iteration": 2, "rollout_id": 2,
+    assert report.resumed_from == {"latest_checkpointed_iteration": 1, "rollout_id": 2,
                                    "export_equals_last_before_kill": True, "training_moved_the_export": True}
     assert {"pass@1", "pass@4"} <= set(report.evals[0]["datasets"]["aime"]) and len(report.evals) >= 5
 
