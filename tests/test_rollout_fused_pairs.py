@@ -203,3 +203,18 @@ def test_table_names_every_cache_sglang_load_weights_asserts():
             assert '".' + ".".join(half.split(".")[-2:]) + '"' in body, half
         assert "." + pair.fused.split(".")[-2] + "." in body, pair.fused  # ".wkv_gate." / ".wqkv_a."
         assert all(f'"{part}"' in body for part in pair.excluding), pair.excluding
+
+
+def test_an_unquantized_wo_a_loads_alone_as_sglangs_pre_pass_emits_it():
+    """Miles broadcasts wo_a in BF16 (its FP8 quantizer's list has no wo_a): SGLang's wo_a pre-pass emits a held
+    `wo_a.weight` as is when the call carried no `wo_a.scale`; FP8 bytes alone would load unscaled: refused."""
+    import torch
+
+    from engines.rollout.fused_pairs import SplitPairError, pair_units
+
+    name = "model.layers.0.self_attn.wo_a.weight"
+    bf16 = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert list(pair_units([(name, bf16), ("model.norm.weight", bf16)])) == [
+        [("model.norm.weight", bf16)], [(name, bf16)]]
+    with pytest.raises(SplitPairError, match="has no partner model.layers.0.self_attn.wo_a.scale"):
+        list(pair_units([(name, bf16.to(torch.float8_e4m3fn))]))

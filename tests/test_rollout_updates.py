@@ -177,6 +177,24 @@ def test_tid2eid_updates_are_refused(tiny_checkpoint, tmp_path, case):
         assert check_fidelity(client, tiny_checkpoint).ok  # nothing was applied
 
 
+def test_a_bf16_wo_a_updates_an_fp8_one_as_sglang_loads_it(tiny_checkpoint, tmp_path):
+    """Miles broadcasts wo_a unquantized (its FP8 quantizer's list has no wo_a); SGLang dequantizes wo_a to BF16
+    anyway (SGLANG_OPT_FP8_WO_A_GEMM=0), so the update is accepted and the dequantized values serve unchanged;
+    another FP8 linear sent in BF16 stays refused."""
+    from checkpoints.hf import read_stored_tensors
+
+    stored = read_stored_tensors(tiny_checkpoint)[1]
+    wo_a = stored["layers.0.attn.wo_a.weight"].dequantize(torch.float32).to(torch.bfloat16)
+    with Serving(tiny_checkpoint) as client:
+        client.update_weights_from_disk(str(_single_tensor_bucket(tmp_path / "wo_a", "layers.0.attn.wo_a.weight",
+                                                                  wo_a)))
+        assert check_fidelity(client, tiny_checkpoint).ok  # FP8 values are exact in BF16: the same runtime
+        wq_a = stored["layers.0.attn.wq_a.weight"].dequantize(torch.float32).to(torch.bfloat16)
+        with pytest.raises(SGLangHTTPError, match="arrived as"):
+            client.update_weights_from_disk(str(_single_tensor_bucket(tmp_path / "wq_a", "layers.0.attn.wq_a.weight",
+                                                                      wq_a)))
+
+
 def test_export_with_another_expert_storage_is_refused(tiny_checkpoint, tmp_path):
     cfg, state = load_hf_checkpoint(tiny_checkpoint)
     fp8_experts = save_hf_checkpoint(tmp_path / "fp8-experts", cfg, state, expert_dtype="fp8")

@@ -4,6 +4,7 @@
     v4rl rehearse --stage rollout                         # the vendored Miles pins where ../shared/vendor exists
     v4rl rehearse --miles-dir ~/miles --megatron-dir ~/Megatron-LM --json rehearsal.json
     v4rl rehearse --stage train --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron   # rollout, then train
+    v4rl rehearse --stage full --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron    # loop, kill, resume
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ def register(app: typer.Typer) -> None:
         stage: str = typer.Option("rollout", help="rollout: Miles' train.py --debug-rollout-only against v4rl's "
                                                   "engine (generate, reward, eval pass@k); train: Miles' Megatron "
                                                   "actor trains on those rollouts (--debug-train-only), after a "
-                                                  "rollout stage unless --rollout-data is given."),
+                                                  "rollout stage unless --rollout-data is given; full: Miles' "
+                                                  "normal loop (broadcast, generate, train, save, eval), killed "
+                                                  "after rollout 1 and resumed from --load, a weight check "
+                                                  "after every broadcast."),
         rollout_data: Path = typer.Option(None, help="Stage train: the rollout-data/ folder of an earlier rollout "
                                                      "stage (Miles' rollout_<id>.pt dumps)."),
         dsv4_impl: str = typer.Option(None, help="Generation 2: miles | megatron (Megatron's own PyTorch "
@@ -30,7 +34,8 @@ def register(app: typer.Typer) -> None:
         megatron_dir: Path = typer.Option(None, envvar="V4RL_MEGATRON_DIR",
                                           help="Megatron-LM checkout that fits that Miles (default: its pinned pair)."),
         json_out: Path = typer.Option(None, "--json", help="Write the report (stages, rollouts, evals, "
-                                                           "substitutions) as JSON here."),
+                                                           "substitutions; stage full: weight_checks, "
+                                                           "resumed_from) as JSON here."),
         work_dir: Path = typer.Option(None, help="Where the checkpoint, data, logs go (default: a new temp dir)."),
         engine_port: int = typer.Option(0, help="Port of v4rl's engine on 127.0.0.1 (0: a free one)."),
         ray_port: int = typer.Option(0, help="Port of the local Ray head (0: a free one)."),

@@ -117,6 +117,10 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         changes += TRAIN_CHANGES + [
             ("--load-debug-rollout-data", paths.rollout_template(),
              "stage 2 trains on stage 1's samples (Miles' own dump); Miles starts no SGLang engine")]
+    elif stage == "full":
+        changes += TRAIN_DEVICE_CHANGES + FULL_CHANGES
+    else:
+        raise ValueError(f"stage {stage!r}: the job is built for rollout, train or full")
     for flag, value, why in changes:
         before = parse_flags(argv).get(flag)
         shown = "(absent)" if value is False else "(set)" if value is True else _show(
@@ -128,6 +132,7 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         cluster_value = _show(parse_flags(cluster_job.argv).get(flag))
         if cluster_value != shown or before is None:
             subs.append(Substitution(flag, cluster_value, shown, why))
+    subs = list({s.name: s for s in subs}.values())  # a flag changed twice (stage full's --num-rollout): the last
     layout = "--pipeline-model-parallel-layout"
     if layout in parse_flags(argv) or layout in parse_flags(cluster_job.argv):
         subs.append(Substitution(layout, _show(parse_flags(cluster_job.argv).get(layout)),
@@ -158,8 +163,7 @@ def _engine_changes(engine_addr: str, context_length: int) -> list[tuple[str, ob
     ]
 
 
-TRAIN_CHANGES: list[tuple[str, object, str]] = [
-    ("--debug-train-only", True, "stage 2: Miles' Megatron actor trains on saved rollouts; no engine, no broadcast"),
+TRAIN_DEVICE_CHANGES: list[tuple[str, object, str]] = [
     ("--use-cpu-initialization", True, "Megatron allocates the model on the CPU (no GPU to initialise on)"),
     ("--no-gradient-accumulation-fusion", True, "the fused wgrad accumulation is a CUDA kernel (TE/apex)"),
     ("--optimizer-cpu-offload", False, "the optimizer already lives on the host: nothing to offload"),
@@ -167,7 +171,20 @@ TRAIN_CHANGES: list[tuple[str, object, str]] = [
                                                "AdamW on bf16 params with fp32 main params"),
     ("--overlap-cpu-optimizer-d2h-h2d", False, "goes with --optimizer-cpu-offload"),
 ]
-"""Stage train's device flags: what Megatron needs to build, load and train Miles' model on a CPU."""
+"""The device flags of the stages that train: what Megatron needs to build, load and train Miles' model on a CPU."""
+TRAIN_CHANGES = [("--debug-train-only", True, "stage 2: Miles' Megatron actor trains on saved rollouts; no engine, "
+                                              "no broadcast"), *TRAIN_DEVICE_CHANGES]
+FULL_ROLLOUTS = 3
+"""Stage full's --num-rollout: rollouts 0 and 1, then the kill, then rollout 2 resumed from --load."""
+FULL_CHANGES: list[tuple[str, object, str]] = [
+    ("--num-rollout", FULL_ROLLOUTS, "stage 3: 2 rollouts, a kill after rollout 1's save, 1 rollout resumed"),
+    ("--save-interval", 1, "save after every rollout, so the killed run resumes from the last one"),
+    ("--lr", 1e-3, "the cluster's 1e-6 moves no bf16 weight in two steps: a visible update makes each broadcast "
+                   "(and the resumed checkpoint) carry weights the previous one did not"),
+    ("--entropy-coef", 0.01, "a random tiny model earns reward 0, so every GRPO advantage (and the policy "
+                             "gradient) is 0; the entropy term gives the step a nonzero gradient"),
+]
+"""Stage full (Miles' normal loop: broadcast, generate, train, save, eval) on top of the device flags."""
 
 
 def _profile(preset: RunPreset):

@@ -24,6 +24,8 @@ class MilesMetrics:
     """{rollout id (str, a JSON key): every rollout-side metric Miles logged for it (perf, rollout, ...)}."""
     evals: list[dict] = field(default_factory=list)
     """[{"rollout": id, "datasets": {name: {"reward", "pass@k", ...}}}] in log order."""
+    trained: list[int] = field(default_factory=list)
+    """The rollout id of each train step Miles logged, in log order (a rollout trained twice appears twice)."""
 
 
 def read_metrics(log: Path, steps_per_rollout: int = 1) -> MilesMetrics:
@@ -31,13 +33,19 @@ def read_metrics(log: Path, steps_per_rollout: int = 1) -> MilesMetrics:
     out = MilesMetrics()
     if not log.is_file():
         return out
+    last_step = None
     with log.open(errors="replace") as lines:
         for line in lines:
             record = parse_metric_line(line)
             if record is None:
                 continue
+            if record.kind == "step" and (record.index, record.metrics) == last_step:
+                continue  # Miles logs each train step twice (log_utils.py and model.py), the same dict
             if record.kind == "step":  # Miles' train step (--num-steps-per-rollout 1: the rollout id)
+                last_step = (record.index, record.metrics)
                 out.rollouts.setdefault(str(record.index // steps_per_rollout), {}).update(record.metrics)
+                if record.index % steps_per_rollout == 0:
+                    out.trained.append(record.index // steps_per_rollout)
             elif record.kind in ROLLOUT_KINDS:
                 out.rollouts.setdefault(str(record.index), {}).update(record.metrics)
             elif record.kind == "eval":

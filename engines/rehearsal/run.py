@@ -38,7 +38,7 @@ STUB_ROOTS = (*GPU_ONLY_ROOTS, "sglang.srt.entrypoints.openai.encoding_dsv4", "s
               "mooncake")
 """GPU-only imports, plus modules of Miles' own SGLang branch upstream 0.5.23 lacks and Mooncake (Miles' P2P
 transfer engine): Miles imports them at module level, a rehearsal never calls them."""
-WORKAROUNDS = ("placement", "dashboard")
+WORKAROUNDS = ("placement", "dashboard", "broadcast_bucket")
 """Miles defects the bootstrap works around (bootstrap/sitecustomize.py), each listed in the substitution table."""
 TRAIN_DATA = Path(__file__).resolve().parents[2] / "rl" / "sample_math.jsonl"
 ENGINE_START_S, MILES_TIMEOUT_S = 180.0, 900.0
@@ -73,6 +73,10 @@ class RehearsalReport:
     evals: list[dict] = field(default_factory=list)
     substitutions: list[Substitution] = field(default_factory=list)
     work_dir: str = ""
+    weight_checks: list[dict] = field(default_factory=list)
+    """Stage full: one per broadcast, {"run", "version", "tensors_sent", "ok", "first_differing"} (weight_check.py)."""
+    resumed_from: dict | None = None
+    """Stage full: {"latest_checkpointed_iteration", "rollout_id", "export_equals_last_before_kill", ...}."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -121,8 +125,7 @@ def write_data(work: Path) -> tuple[Path, Path]:
 def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalReport:
     """Run `req.stage`: rollout; train (after a rollout stage unless `req.rollout_data` holds Miles' dumps)."""
     if req.stage not in STAGES:
-        raise RehearsalError(f"--stage {req.stage}: built are {' and '.join(STAGES)} (issue 28's `full` loop is "
-                             "not); use --stage rollout or --stage train")
+        raise RehearsalError(f"--stage {req.stage}: not a stage; use one of {', '.join(STAGES)}")
     from engines.presets.runs import SEED_RUN
 
     preset = preset or SEED_RUN
@@ -138,8 +141,14 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         make_tiny_checkpoint(hf)
     train, evals = write_data(work)
     preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=gen))
-    stages = ["rollout"] if req.stage == "rollout" else (["train"] if given_data else ["rollout", "train"])
+    stages = [req.stage] if req.stage != "train" else (["train"] if given_data else ["rollout", "train"])
     paths = RehearsalPaths(hf, train, evals, work, rollout_data=given_data)
+    if req.stage == "full":  # Miles' broadcast sends FP8 experts: the engine serves FP8 experts (full.py)
+        hf_full = work / "hf-fp8-experts"
+        if not (hf_full / "config.json").is_file():
+            make_tiny_checkpoint(hf_full, expert_dtype="fp8")
+        paths = RehearsalPaths(hf_full, train, evals, work)
+        return _full(req, preset, paths, miles, megatron, impl_args, report, log)
     for stage in stages:
         if stage == "train" and not report.stages.get("rollout", {"ok": True})["ok"]:
             report.stages["train"] = {"ok": False, "seconds": 0.0, "error": "not run: stage rollout failed"}
@@ -158,7 +167,21 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     return report
 
 
-STAGES = ("rollout", "train")
+def _full(req, preset, paths, miles, megatron, impl_args, report, log) -> RehearsalReport:
+    from engines.rehearsal.full import run_full
+
+    error, seconds, extras = run_full(req, preset, paths, miles, megatron, impl_args, report, log)
+    for path in extras["logs"]:
+        metrics = read_metrics(path)
+        for rollout, values in metrics.rollouts.items():
+            report.rollouts.setdefault(rollout, {}).update(values)
+        report.evals += metrics.evals
+    report.weight_checks, report.resumed_from = extras["weight_checks"], extras["resumed_from"]
+    report.stages["full"] = {"ok": error is None, "seconds": seconds, "error": error}
+    return report
+
+
+STAGES = ("rollout", "train", "full")
 MILES_LOGS = {"rollout": "miles.log", "train": "miles-train.log"}
 """Miles' driver log of each stage, under the work dir."""
 TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/tis",
@@ -182,10 +205,7 @@ def _run_stage(stage: str, req: RehearsalRequest, preset, paths: RehearsalPaths,
     argv = job.argv + impl_args
     subs = job.substitutions + _impl_rows(job.argv, impl_args)
     if stage == "rollout":
-        subs.append(Substitution(
-            "miles/ray/placement_group.py _get_placement_group_layout", "(0, 0) bundles with --rollout-external "
-            "--debug-rollout-only", "the idle actor's logical GPUs", "Miles defect: actor_factory.py then indexes "
-            "bundle 0 (IndexError) before any rollout; worked around from outside (bootstrap), Miles' file unchanged"))
+        subs.append(PLACEMENT_ROW)
         subs.append(Substitution(
             "miles/ray/rollout/debug_data.py save_dashboard_columns", "parquet mirror for Miles' dashboard (polars)",
             "skipped (Miles' own no-polars path)", "the polars beside SGLang 0.5.23 lacks its compiled runtime; "
@@ -223,7 +243,7 @@ def _stage_env(stage: str, job_env: dict, miles: Path, megatron: Path, ray_port:
     from engines.train.miles.model_check import NUMERIC_STANDINS, STANDINS, MODEL_STUB_ROOTS, \
         tile_kernels_mhc_reference
 
-    model = [STANDINS] if stage == "train" else []
+    model = [STANDINS] if stage in ("train", "full") else []
     paths = [BOOTSTRAP, *model, miles, megatron, *src.sglang_paths(), src.REPO]
     env = {**job_env, **RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
            "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("stubs.py")),
@@ -238,10 +258,15 @@ def _stage_env(stage: str, job_env: dict, miles: Path, megatron: Path, ray_port:
         try:
             env["V4RL_TILE_KERNELS_MHC"] = str(tile_kernels_mhc_reference())
         except src.EngineSourceMissing as exc:
-            raise RehearsalError(f"stage train: {exc}") from None
+            raise RehearsalError(f"stage {stage}: {exc}") from None
     return env
 
 
+PLACEMENT_ROW = Substitution(
+    "miles/ray/placement_group.py _get_placement_group_layout", "no rollout bundle with --rollout-external",
+    "the actor's logical GPUs, shared", "Miles defect: server_group.py:91 (and, with --debug-rollout-only, "
+    "actor_factory.py:89) then index a bundle that does not exist (IndexError) before any rollout; worked around "
+    "from outside (bootstrap), Miles' file unchanged")
 TRAIN_STANDIN_ROWS = [
     Substitution("transformer_engine", "TE (ROCm build)", "probes/standins/transformer_engine: torch ops, TE's "
                  "parameter names", "no TE on a CPU; plain torch ops, so autograd gives the backward"),
@@ -269,14 +294,14 @@ def _impl_rows(argv: list[str], impl_args: list[str]) -> list[Substitution]:
             for flag, value in given.items() if job.get(flag) != value]
 
 
-def _convert_ref(hf: Path, ref: Path, miles: Path, log) -> None:
+def _convert_ref(hf: Path, ref: Path, miles: Path, log, *, force: bool = False) -> None:
     """v4rl's torch_dist conversion of the tiny checkpoint under the names this Miles' model asks for, as
     `v4rl convert --miles-dir` writes it (a no-op when up to date)."""
     from checkpoints.convert import convert_hf_to_torch_dist
     from engines.train.miles.generation import megatron_names_for
 
     names, why = megatron_names_for(miles)
-    result = convert_hf_to_torch_dist(hf, ref, workers=1, megatron_names=names)
+    result = convert_hf_to_torch_dist(hf, ref, workers=1, megatron_names=names, force=force)
     if not result.skipped:
         log(f"--ref-load: v4rl convert {hf} -> {ref} ({names} names: {why})")
 
@@ -344,6 +369,12 @@ def _start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
     raise RehearsalError(f"engine: `v4rl serve-rollout` did not answer /health within {ENGINE_START_S:.0f}s ({log})")
 
 
+TOLERATED_REFUSALS = ("POST /destroy_weights_update_group",)
+"""Refusals Miles expects and ignores: before its first broadcast it destroys a group the engine does not have yet
+(miles/backends/sglang_utils/sglang_engine.py destroy_weights_update_group catches the error: "the engine is just
+created and does not have the group"), which v4rl's engine, as SGLang, answers with a 400."""
+
+
 class _RefusalWatch:
     """The engine's first refused request, from `v4rl serve-rollout`'s log (its REFUSAL_PREFIX lines), reading
     only what the log gained since the last look."""
@@ -362,13 +393,16 @@ class _RefusalWatch:
             self.offset = f.tell()
         lines = text.split("\n")
         self.partial = lines.pop()  # a line still being written
-        return next((line[len(REFUSAL_PREFIX):] for line in lines if line.startswith(REFUSAL_PREFIX)), None)
+        return next((line[len(REFUSAL_PREFIX):] for line in lines if line.startswith(REFUSAL_PREFIX)
+                     and not line[len(REFUSAL_PREFIX):].startswith(TOLERATED_REFUSALS)), None)
 
 
 def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: float,
-               log_name: str = "miles.log") -> str | None:
+               log_name: str = "miles.log", kill_when=None) -> str | None:
     """Miles' train.py, unmodified, as a child in its own process group; its error line, or None on success. A
-    request the engine refuses stops it at once with the engine's own message (engine.log in `work`)."""
+    request the engine refuses stops it at once with the engine's own message (engine.log in `work`). Once
+    `kill_when()` is true, the driver's process group is killed (SIGKILL, a crash: no handler of Miles runs) and
+    None is returned."""
     log, engine_log = work / log_name, work / "engine.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, str(miles / "train.py"), *argv], cwd=work, stdout=out,
@@ -379,6 +413,10 @@ def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: flo
             if refusal:  # Miles retries a refused request for a minute: stop now and say why
                 _stop(proc)
                 return f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})"
+            if kill_when is not None and kill_when():
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+                return None
             if time.monotonic() > deadline:
                 _stop(proc)
                 return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"

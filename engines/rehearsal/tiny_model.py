@@ -29,8 +29,9 @@ def tiny_miles_config() -> ModelConfig:
         max_position_embeddings=4096, initializer_range=0.05)
 
 
-def make_tiny_checkpoint(out: Path, *, seed: int = 0, weight_format: str = "fp8") -> Path:
-    """v4rl's random tiny model saved as an HF checkpoint (`weight_format` as checkpoints.hf writes it)."""
+def make_tiny_checkpoint(out: Path, *, seed: int = 0, weight_format: str = "fp8", expert_dtype: str = "fp4") -> Path:
+    """v4rl's random tiny model saved as an HF checkpoint (`weight_format`, `expert_dtype` as checkpoints.hf writes
+    them; the release's experts are FP4)."""
     from checkpoints.hf import save_hf_checkpoint
     from engines.model.tokenizer import build_tokenizer
     from engines.train.hf_model import build_reference_model, native_from_reference
@@ -39,4 +40,5 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0, weight_format: str = "fp8"
     native = native_from_reference(build_reference_model(cfg, seed=seed))
     with tempfile.TemporaryDirectory() as tok:
         build_tokenizer().save_pretrained(tok)
-        return save_hf_checkpoint(out, cfg, native, weight_format=weight_format, tokenizer_dir=tok)
+        return save_hf_checkpoint(out, cfg, native, weight_format=weight_format, tokenizer_dir=tok,
+                                  expert_dtype=expert_dtype)

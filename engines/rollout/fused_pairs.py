@@ -40,6 +40,10 @@ class FusedPair:
     """The SGLang condition under which load_weights fuses this pair."""
     excluding: tuple[str, ...] = ()
     """Name parts that exclude a tensor from this pair (SGLang's own exclusions)."""
+    unscaled_alone: bool = False
+    """SGLang loads the first half alone when the call carried no second half at all (the wo_a pre-pass emits a
+    held `wo_a.weight` as is unless it saw a `wo_a.scale`): allowed here for an unquantized weight only (BF16, as
+    Miles sends wo_a), since FP8 bytes without their scale would load unscaled."""
 
     def fused_name(self, name: str) -> tuple[str, int] | None:
         """(fused parameter name, which half) when `name` is a half of this pair, else None."""
@@ -67,7 +71,7 @@ FUSED_PAIRS: tuple[FusedPair, ...] = (
     # `wo_a.weight` until `wo_a.scale` arrives and dequantizes wo_a to BF16; nothing asserts, a split pair loads
     # the FP8 bytes unscaled and drops the scale (`...wo_a.weight_scale_inv not found in params_dict`)
     FusedPair((".wo_a.weight", ".wo_a.scale"), ".wo_a.weight", "pending (_dequant_fp8_wo_a_streaming)",
-              "SGLANG_OPT_FP8_WO_A_GEMM=0 (v4rl's setting; conformance C9)"),
+              "SGLANG_OPT_FP8_WO_A_GEMM=0 (v4rl's setting; conformance C9)", unscaled_alone=True),
     # GGUF checkpoints only (v4rl never sends these); listed so the table is SGLang's whole list
     FusedPair((".wq_a.qweight", ".wkv.qweight"), ".wqkv_a.qweight", _WQKV_A, _WQKV_A_WHEN, _NOT_COMPRESSOR),
     FusedPair((".wq_a.qweight_type", ".wkv.qweight_type"), ".wqkv_a.qweight_type", _WQKV_A, _WQKV_A_WHEN,
@@ -96,8 +100,11 @@ def pair_units(named: Iterable[tuple[str, torch.Tensor]], pairs: Sequence[FusedP
     Only a half whose partner has not arrived yet is held back, so memory stays one layer's halves at most.
     A missing partner or a half that arrives twice is a `SplitPairError` naming the tensors."""
     waiting: dict[str, tuple[int, tuple[str, torch.Tensor]]] = {}
+    seconds_seen: set[FusedPair] = set()
     for name, t in named:
         hit = fused_parameter(name, pairs)
+        if hit is not None and hit[1] == 1:
+            seconds_seen.add(next(p for p in pairs if p.fused_name(name)))
         if hit is None:
             yield [(name, t)]
             continue
@@ -110,6 +117,12 @@ def pair_units(named: Iterable[tuple[str, torch.Tensor]], pairs: Sequence[FusedP
             raise SplitPairError(f"{name} arrives twice before its partner in a weight update; SGLang's loader "
                                  f"fuses it into {fused} and refuses a duplicate half: send each tensor once")
         yield [first, (name, t)]
+    for fused, (which, (name, t)) in list(waiting.items()):
+        pair = next(p for p in pairs if p.fused_name(name))
+        if pair.unscaled_alone and which == 0 and pair not in seconds_seen and t.dtype.is_floating_point \
+                and t.element_size() > 1:
+            del waiting[fused]
+            yield [(name, t)]
     if waiting:
         fused, (which, (name, _)) = next(iter(waiting.items()))
         pair = next(p for p in pairs if p.fused_name(name))

@@ -45,6 +45,12 @@ class WeightUpdateError(ValueError):
     """An update was refused; the message names the directory, the tensor and what to do."""
 
 
+UNSCALED_BF16_SUFFIXES = (".attn.wo_a.weight",)
+"""Stored FP8 weights an update may carry unquantized: SGLang (SGLANG_OPT_FP8_WO_A_GEMM=0, v4rl's setting)
+dequantizes wo_a to a BF16 parameter while loading (`_dequant_fp8_wo_a_streaming`) and loads a BF16 wo_a as is,
+which is what Miles' broadcast sends (its FP8 quantizer's list has no wo_a); the engine then serves it as sent."""
+
+
 # ---------------------------------------------------------------------------------------------- reading
 def read_weight_dir(path: str | Path, *, fp8_block: tuple[int, int] = FP8_BLOCK
                     ) -> tuple[ModelConfig | None, dict[str, RawTensor]]:
@@ -152,6 +158,9 @@ def _check_one(name: str, t: RawTensor, specs: Mapping[str, ParamSpec], held: Ma
     if want_quantized and not isinstance(t, QuantizedTensor) and t.dtype.is_floating_point and (
             now is None or not isinstance(now, QuantizedTensor)):
         return t  # an unquantized checkpoint (hf-bf16: the BF16 rollout), served and updated as such
+    if want_quantized and name.endswith(UNSCALED_BF16_SUFFIXES) and not isinstance(t, QuantizedTensor) and \
+            t.dtype.is_floating_point and t.element_size() > 1:
+        return t  # SGLang's wo_a is a BF16 parameter (its FP8 pre-pass dequantizes): Miles sends it unquantized
     if want_quantized != isinstance(t, QuantizedTensor) or (
             isinstance(t, QuantizedTensor) and now is not None and not isinstance(now, QuantizedTensor)):
         held_form = "unquantized (a BF16 start)" if now is not None and not isinstance(now, QuantizedTensor) else (

@@ -68,21 +68,49 @@ def _add_miles_sglang_names(module):
 
 def _place_idle_actor(module):
     """Miles defect (both vendored generations, miles/ray/placement_group.py `_get_placement_group_layout`): with
-    --rollout-external --debug-rollout-only it reserves no bundle, yet create_training_models still places one
-    (idle) actor per GPU (ray/train/actor_factory.py:89) and one SGLangEngine actor per external engine
-    (ray/rollout/server_group.py:91) in bundles: IndexError before any rollout. The rehearsal reserves the actor's
-    logical GPUs and lets both share them.
+    --rollout-external it reserves no rollout bundle ((0, 0) with --debug-rollout-only, (actor, actor) otherwise:
+    the rollout bundles start past the last one), yet RolloutServerGroup.start_engines places one SGLangEngine
+    actor per external engine (0.2 GPU, ray/rollout/server_group.py:91) into a rollout bundle, and with
+    --debug-rollout-only create_training_models still places the idle actor (ray/train/actor_factory.py:89):
+    IndexError before any rollout. The rehearsal lets Miles' SGLangEngine actors share the actor's logical GPUs.
     Applied only where V4RL_REHEARSAL_WORKAROUNDS names it; the substitution table lists it."""
     real = module._get_placement_group_layout
 
     def layout(args):
-        if args.rollout_external and args.debug_rollout_only:
-            # (bundles, rollout offset): the idle actor and Miles' SGLangEngine actors for the external engines
-            # (0.2 GPU each, server_group.py:91 indexes the rollout bundles) share the actor's logical GPUs
+        if args.rollout_external and not args.debug_train_only:
+            # (bundles, rollout offset): the actor's GPUs, shared by Miles' SGLangEngine actors
             return args.actor_num_nodes * args.actor_num_gpus_per_node, 0
         return real(args)
 
     module._get_placement_group_layout = layout
+
+
+def _bucket_for_converter(module):
+    """Miles defect (e9e19b223, miles/backends/megatron_utils/update_weight/update_weight_from_distributed/mixin.py
+    `_gather_and_update_non_expert_weights`, line 124): the broadcast update converts each gathered parameter with
+    `convert_to_hf(...)` but no `bucket`, while DeepSeek-V4's converter packs a hyper-connection site's three alphas
+    from that bucket (megatron_to_hf/deepseekv4.py `_packed_alphas`: TypeError 'NoneType' object is not
+    subscriptable at line 55, in the very first broadcast). The tensor update path passes it
+    (hf_weight_iterator_direct.py: the atomic update group's params). The rehearsal gives the broadcast path the same
+    bucket: the update unit just gathered (`_all_gather_update_unit`, which keeps an atomic group together).
+    Applied only where V4RL_REHEARSAL_WORKAROUNDS names it; the substitution table lists it."""
+    mixin = getattr(module, "DistBucketedWeightUpdateMixin", None)
+    if mixin is None or not hasattr(mixin, "_all_gather_update_unit"):
+        return
+    real_gather, real_convert, unit = mixin._all_gather_update_unit, module.convert_to_hf, {}
+
+    def gather(self, update_unit):
+        gathered, size = real_gather(self, update_unit)
+        unit.clear()
+        unit.update(gathered)
+        return gathered, size
+
+    def convert(args, model_name, name, param, quantization_config=None, bucket=None):
+        if bucket is None and name in unit:
+            bucket = dict(unit)
+        return real_convert(args, model_name, name, param, quantization_config, bucket=bucket)
+
+    mixin._all_gather_update_unit, module.convert_to_hf = gather, convert
 
 
 def _cpu_device(_module):
@@ -169,14 +197,118 @@ def _skip_dashboard_columns(module):
     module.save_dashboard_columns = lambda samples, path: None
 
 
+def _record_broadcasts(module):
+    """Stage full: what Miles' actor broadcasts into the engine, recorded from outside for the weight check. Miles'
+    own `update_weights_from_distributed` (its broadcast of one bucket of converted HF tensors) is wrapped to keep
+    a CPU copy of every tensor before it is sent; after each whole update (UpdateWeightFromDistributed
+    .update_weights: pause, every bucket, end_weight_update, continue) the copies are written to
+    V4RL_REHEARSAL_BROADCASTS/broadcast-v<version>.safetensors, beside the engine's own checksums of its runtime
+    tensors asked right then (`/weights_checker` checksum, before Miles generates again) in broadcast-v<version>.json.
+    Miles' files and what it sends are unchanged; only the rank that sends records."""
+    out, engine = os.environ["V4RL_REHEARSAL_BROADCASTS"], os.environ["V4RL_REHEARSAL_ENGINE_URL"]
+    real_send, sent = module.update_weights_from_distributed, {}
+
+    def send(group_name, group, weight_version, rollout_engines, converted_named_tensors, *args, **kwargs):
+        for name, tensor in converted_named_tensors:
+            sent[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        return real_send(group_name, group, weight_version, rollout_engines, converted_named_tensors, *args, **kwargs)
+
+    module.update_weights_from_distributed = send
+    real_update = module.UpdateWeightFromDistributed.update_weights
+
+    def update_weights(self, *args, **kwargs):
+        sent.clear()
+        result = real_update(self, *args, **kwargs)
+        if sent:
+            _write_broadcast(out, engine, self.weight_version, dict(sent))
+        sent.clear()
+        return result
+
+    module.UpdateWeightFromDistributed.update_weights = update_weights
+
+
+def _gloo_weight_group(module):
+    """Stage full: Miles opens its weight-update group with the engines as `nccl` (miles/utils/distributed_utils.py
+    init_process_group, from update_weight_from_distributed/broadcast.py); on a CPU it is gloo, as v4rl's engine
+    runs its side (engines/rollout/distributed_update.py). gloo has no float8 type, so a float8 tensor (FP8 weights,
+    UE8M0 scales) travels as its bytes, as the engine receives it (launcher.wire_view): never a value change."""
+    import torch
+    import torch.distributed as dist
+
+    real_init, real_broadcast = module.init_process_group, dist.broadcast
+
+    def init_process_group(backend=None, *args, **kwargs):
+        return real_init("gloo" if str(backend).lower() == "nccl" else backend, *args, **kwargs)
+
+    def broadcast(tensor, *args, **kwargs):
+        if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+            tensor = tensor.view(torch.uint8)
+        return real_broadcast(tensor, *args, **kwargs)
+
+    module.init_process_group, dist.broadcast = init_process_group, broadcast
+
+
+def _fp8_cast_in_torch(module):
+    """Stage full: Miles quantizes each weight it broadcasts to the checkpoint's FP8 blocks with a triton kernel
+    (miles/utils/fp8_kernel.py `_blockwise_cast_to_fp8_triton`: no triton on a CPU). The same math in torch, from
+    the kernel: per (BLOCK_M, BLOCK_N) block, scale = max(amax, 1e-10) / 448 (fp32), q = clamp(x * (1 / scale),
+    -448, 448) cast to float8_e4m3fn; returns (q, scale) shaped as the kernel's."""
+    import torch
+
+    def blockwise_cast_to_fp8(x, block_size=None):
+        bm, bn = (block_size[0], block_size[1]) if block_size else (128, 128)
+        m, n = x.shape
+        rows, cols = -(-m // bm), -(-n // bn)
+        padded = torch.zeros(rows * bm, cols * bn, dtype=torch.float32, device=x.device)
+        padded[:m, :n] = x.float()
+        blocks = padded.view(rows, bm, cols, bn)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / module.fp8_max
+        inv = 1.0 / scale
+        q = (blocks * inv[:, None, :, None]).clamp(module.fp8_min, module.fp8_max).to(torch.float8_e4m3fn)
+        return q.view(rows * bm, cols * bn)[:m, :n].contiguous(), scale
+
+    module.blockwise_cast_to_fp8_triton = blockwise_cast_to_fp8
+
+
+BROADCAST_CHECKSUM_TIMEOUT_S = 300
+"""Seconds the engine may take to checksum its runtime tensors after a broadcast (a tiny model: well under one)."""
+
+
+def _write_broadcast(out, engine, version, sent):
+    import urllib.request
+
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"broadcast-v{version}")
+    save_file(sent, stem + ".safetensors.tmp")
+    os.replace(stem + ".safetensors.tmp", stem + ".safetensors")
+    request = urllib.request.Request(engine + "/weights_checker", data=json.dumps({"action": "checksum"}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=BROADCAST_CHECKSUM_TIMEOUT_S) as reply:
+        ranks = json.load(reply)["ranks"]
+    record = {"version": int(version), "tensors": os.path.basename(stem) + ".safetensors",
+              "engine_checksums": ranks[0]["checksums"]}
+    with open(stem + ".json.tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(stem + ".json.tmp", stem + ".json")
+
+
 _AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng,
                         "torch.distributed.distributed_c10d": _in_process_store}
 _WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor),
-                "dashboard": ("miles.ray.rollout.debug_data", _skip_dashboard_columns)}
+                "dashboard": ("miles.ray.rollout.debug_data", _skip_dashboard_columns),
+                "broadcast_bucket": ("miles.backends.megatron_utils.update_weight.update_weight_from_distributed.mixin",
+                                     _bucket_for_converter)}
 _AFTER_IMPORT = {**_AFTER_IMPORT_ALWAYS, **{_WORKAROUNDS[w][0]: _WORKAROUNDS[w][1]
                     for w in (os.environ.get("V4RL_REHEARSAL_WORKAROUNDS") or "").split(",") if w in _WORKAROUNDS},
                  **{name: _add_miles_sglang_names for name in MILES_SGLANG_NAMES},
                  "megatron.training.arguments": _answer_device}
+if os.environ.get("V4RL_REHEARSAL_BROADCASTS"):
+    _AFTER_IMPORT["miles.backends.megatron_utils.update_weight.update_weight_from_distributed.broadcast"] = \
+        _record_broadcasts
+    _AFTER_IMPORT["miles.utils.distributed_utils"] = _gloo_weight_group
+    _AFTER_IMPORT["miles.utils.fp8_kernel"] = _fp8_cast_in_torch
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
