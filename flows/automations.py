@@ -15,8 +15,18 @@ from datetime import timedelta
 
 NAME = "v4rl-crash-zombie-flow-runs"
 
+ZOMBIE_WINDOW_S: int = 600
+"""Seconds without a heartbeat after which a running flow run is marked Crashed: 10 minutes, over three
+heartbeats at Prefect's default 180 s frequency, so a loaded node's late heartbeat never crashes a live run.
+A caller with a shorter PREFECT_FLOWS_HEARTBEAT_FREQUENCY may pass a shorter window (above twice the frequency
+in production; a heartbeat can come over 50 s late on a loaded 2-core machine: tests/test_fault_worker_kill.py
+uses 75 s with 30 s heartbeats and deletes the automation afterwards)."""
 
-def zombie_automation(within_seconds: int = 600):
+
+def zombie_automation(within_seconds: int = ZOMBIE_WINDOW_S):
+    if within_seconds <= 0:
+        raise ValueError(f"flows/automations.py: within_seconds must be a positive number of seconds, not "
+                         f"{within_seconds}; the default is ZOMBIE_WINDOW_S ({ZOMBIE_WINDOW_S})")
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
@@ -40,7 +50,7 @@ def zombie_automation(within_seconds: int = 600):
     )
 
 
-def ensure_zombie_automation(within_seconds: int = 600):
+def ensure_zombie_automation(within_seconds: int = ZOMBIE_WINDOW_S):
     """Create the automation, or replace an existing one of the same name."""
     from prefect.automations import Automation
 

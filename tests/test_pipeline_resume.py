@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tests.prefect_server import flow_run_children
 
 
@@ -97,8 +99,18 @@ def test_zombie_automation_is_created_and_replaced(prefect_server):  # noqa: F81
 
     from flows.automations import NAME, ensure_zombie_automation
 
-    ensure_zombie_automation(600)
+    from flows.automations import ZOMBIE_WINDOW_S
+
+    assert ensure_zombie_automation().trigger.within.total_seconds() == ZOMBIE_WINDOW_S == 600  # production's
     ensure_zombie_automation(900)  # idempotent: replaced, not duplicated
     found = Automation.read(name=NAME)
     assert found.trigger.within.total_seconds() == 900
     assert found.actions[0].state.value == "CRASHED"
+    Automation.read(name=NAME).delete()  # no window left for later tests' flow runs
+
+
+def test_a_zombie_window_that_is_not_positive_is_refused():
+    from flows.automations import zombie_automation
+
+    with pytest.raises(ValueError, match="within_seconds must be a positive number of seconds, not 0"):
+        zombie_automation(0)
