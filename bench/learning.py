@@ -9,16 +9,20 @@ with the same held-out evaluation for a given seed (the loop's seed sets data or
   fp8-none      FP8 rollout, no correction (the mismatch measured only)
   fp8-tis       FP8 rollout + token TIS (the seed's)
   fp8-icepop    FP8 rollout + IcePop (token mask outside [0.5, 2])
-  fp8-geo-mask  FP8 rollout + geometric sequence masking with the veto (Miles' MIS)
+  fp8-geo-mask  FP8 rollout + geometric sequence masking with the veto, bounds [0.99, 1.01] (SkyRL's first
+                recommendation; Miles' MIS default 0.9999/1.0001 masked 97% of tiny-cpu's sequences)
   fp8-opsm      FP8 rollout + off-policy sequence masking only (DeepSeek-V3.2's OPSM, delta 1e-4)
   fp8-r3-tis    FP8 rollout + routing replay + token TIS
 
 Per arm and evaluation: held-out pass@1 and pass@8, mean and standard error across seeds (null with one seed);
 per arm: mean |Δlogprob| train vs rollout, masked token / sequence shares, router mismatch, seconds per step.
-OUT is written to a temporary name and renamed; the curves go to <OUT stem>.png beside it.
+OUT is written to a temporary name and renamed; the curves go to <OUT stem>.png beside it. With `--work-dir DIR`
+every finished run leaves DIR/<arm>/seed-<n>/bench-run.json, and the same command run again reuses those and
+reruns only the runs that had not finished (an interrupted experiment of hours continues where it stopped).
 
     v4rl bench learning --json runs/bench/learning.json --seeds 3 --steps 30
     v4rl bench learning --json /tmp/l.json --arms bf16-tis,fp8-tis --seeds 1 --steps 2
+    v4rl bench learning --json docs/bench-learning.json --work-dir runs/learning --prompts-per-step 32 --n-eval 100
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -44,7 +49,7 @@ ARMS: dict[str, tuple[str, RolloutCorrection]] = {
     "fp8-none": ("fp8", RolloutCorrection(mode="none")),
     "fp8-tis": ("fp8", RolloutCorrection(mode="tis")),
     "fp8-icepop": ("fp8", RolloutCorrection(mode="icepop")),
-    "fp8-geo-mask": ("fp8", RolloutCorrection(mode="geo-mask")),
+    "fp8-geo-mask": ("fp8", RolloutCorrection(mode="geo-mask", reject_low=0.99, reject_high=1.01)),
     "fp8-opsm": ("fp8", RolloutCorrection(mode="none", opsm=True)),
     "fp8-r3-tis": ("fp8", RolloutCorrection(mode="tis", routing_replay=True)),
 }
@@ -137,26 +142,45 @@ def summarize(arm: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "evals": evals, **per_step}
 
 
+RUN_RESULT = "bench-run.json"
+"""A finished run's result inside its run directory; a run directory without it is an unfinished run."""
+
+
 def _run_one(arm: str, seed: int, settings: LearningSettings, run_dir: Path, base: str | None) -> dict[str, Any]:
+    """One arm and seed: reused from run_dir/bench-run.json when that run finished with these settings, else run
+    from scratch (an unfinished run's directory is removed: resuming it would change its data order)."""
     from engines.train.run import run_training
 
+    done, same_run = run_dir / RUN_RESULT, {**dataclasses.asdict(settings), "seeds": None}  # a seed's run is the
+    if done.exists():                                                                     # same whatever the count
+        kept = json.loads(done.read_text())
+        if kept.get("settings") == same_run and kept.get("base") == base:
+            return kept["run"]
+        raise ValueError(f"{done}: finished with other settings or base than this run's; give another --work-dir "
+                         "or remove that directory")
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     started = time.monotonic()
     summary = run_training(run_dir, run_config(arm, seed, settings, base), log=lambda m: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"seed": seed, "evals": summary["evals"], "metrics": rows, "wall_seconds": time.monotonic() - started}
+    run = {"seed": seed, "evals": summary["evals"], "metrics": rows, "wall_seconds": time.monotonic() - started}
+    tmp = done.with_name(f".{RUN_RESULT}.tmp")
+    tmp.write_text(json.dumps({"settings": same_run, "base": base, "run": run}))
+    os.replace(tmp, done)
+    return run
 
 
 def main(json_out: Path, *, steps: int | None = None, arms: str | list[str] | None = None, seeds: int | None = None,
-         settings: LearningSettings | None = None, work_dir: Path | None = None, base: str | None = None,
-         log=print) -> dict[str, Any]:
-    """Run every arm x seed, write OUT (JSON) and its PNG; `work_dir` keeps the runs (default: a temp dir)."""
+         prompts_per_step: int | None = None, n_eval: int | None = None, settings: LearningSettings | None = None,
+         work_dir: Path | None = None, base: str | None = None, log=print) -> dict[str, Any]:
+    """Run every arm x seed, write OUT (JSON) and its PNG; `work_dir` keeps the runs and their results, and the
+    runs that finished there are reused (default: a temp dir, nothing kept)."""
     from bench.learning_plot import plot_learning
 
     settings = settings or LearningSettings()
-    settings = dataclasses.replace(settings, **{k: v for k, v in (("steps", steps), ("seeds", seeds)) if v})
+    given = {"steps": steps, "seeds": seeds, "prompts_per_step": prompts_per_step, "n_eval": n_eval}
+    settings = dataclasses.replace(settings, **{k: v for k, v in given.items() if v})
     names, json_out = parse_arms(arms), Path(json_out)
-    if work_dir and Path(work_dir).exists() and any(Path(work_dir).iterdir()):
-        raise ValueError(f"work_dir {work_dir} is not empty; run_training would resume the runs found there")
     machine = machine_info()
     results = []
     with tempfile.TemporaryDirectory(prefix="v4rl-bench-learning-") as tmp:

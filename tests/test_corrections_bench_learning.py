@@ -18,8 +18,12 @@ TINY = LearningSettings(steps=1, seeds=1, prompts_per_step=4, n_samples=4, eval_
 
 def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
     out = tmp_path / "bench" / "learning.json"
+    unfinished = tmp_path / "runs" / "fp8-tis" / "seed-0"
+    unfinished.mkdir(parents=True)
+    (unfinished / "left-by-an-interrupted-run").write_text("")
     result = main(out, arms="fp8-tis,bf16-tis", settings=TINY, work_dir=tmp_path / "runs", base=str(tiny_base),
                   log=lambda m: None)
+    assert not (unfinished / "left-by-an-interrupted-run").exists()  # an unfinished run is rerun from scratch
     written = json.loads(out.read_text())
     assert [a["arm"] for a in written["arms"]] == ["bf16-tis", "fp8-tis"]  # ARMS' order, not the option's
     for arm in written["arms"]:
@@ -38,7 +42,17 @@ def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
     assert "quantization_config" in json.loads(fp8_start.read_text())
     png = out.with_suffix(".png")
     assert result["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result_mtime = (unfinished / "bench-run.json").stat().st_mtime_ns
     assert not list(out.parent.glob(".*.tmp*"))  # written under a temporary name, renamed when complete
+
+    # run again on the same work dir: both finished runs are reused (no training), the result is the same
+    again = main(tmp_path / "again.json", arms="fp8-tis,bf16-tis", settings=TINY, work_dir=tmp_path / "runs",
+                 base=str(tiny_base), log=lambda m: None)
+    assert [a["evals"] for a in again["arms"]] == [a["evals"] for a in written["arms"]]
+    assert (unfinished / "bench-run.json").stat().st_mtime_ns == result_mtime
+    with pytest.raises(ValueError, match="seed-0/bench-run.json: finished with other settings"):
+        main(tmp_path / "other.json", arms="fp8-tis", settings=TINY, steps=2, work_dir=tmp_path / "runs",
+             base=str(tiny_base), log=lambda m: None)
 
 
 def test_arms_differ_only_in_rollout_weights_and_correction():
@@ -48,6 +62,7 @@ def test_arms_differ_only_in_rollout_weights_and_correction():
     assert b.rollout_correction.routing_replay and not a.rollout_correction.routing_replay
     assert a.loop == b.loop and a.loop.seed == 2 and (a.steps, a.n_eval, a.lr) == (b.steps, b.n_eval, b.lr)
     assert len(ARMS) == 7 and parse_arms(None) == list(ARMS)
+    assert ARMS["fp8-geo-mask"][1].reject_bounds == (0.99, 1.01)  # SkyRL's; Miles' 0.9999/1.0001 masked 97%
 
 
 def test_bad_input_is_one_line(tmp_path):
@@ -63,6 +78,8 @@ def test_bad_input_is_one_line(tmp_path):
     assert res.exit_code == 2 and "--arms: unknown arm(s) ['nope']" in res.output
     res = CliRunner().invoke(app, ["bench", "train", "--json", str(tmp_path / "t.json"), "--seeds", "2"])
     assert res.exit_code == 2 and "--seeds applies to learning only" in res.output
+    res = CliRunner().invoke(app, ["bench", "e2e", "--json", str(tmp_path / "e.json"), "--work-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "--work-dir applies to learning only" in res.output
 
 
 def test_the_engine_serves_bf16_and_refuses_to_mix_storages(tiny_checkpoint, tmp_path):
