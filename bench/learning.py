@@ -14,6 +14,13 @@ with the same held-out evaluation for a given seed (the loop's seed sets data or
   fp8-opsm      FP8 rollout + off-policy sequence masking only (DeepSeek-V3.2's OPSM, delta 1e-4)
   fp8-r3-tis    FP8 rollout + routing replay + token TIS
 
+Those seven are the issue's arms and the default. In all of them the FP8 arms' trainer forwards with the FP8
+weights the rollout serves (quantization-aware, the embedded default), which leaves little mismatch to correct.
+The BF16-trainer arms take that away, as on the cluster, where Megatron's forward uses its BF16 weights:
+
+  fp8-bf16trainer-none    FP8 rollout, trainer forwards BF16 weights, no correction
+  fp8-bf16trainer-tis     the same + token TIS
+
 Per arm and evaluation: held-out pass@1 and pass@8, mean and standard error across seeds (null with one seed);
 per arm: mean |Δlogprob| train vs rollout, masked token / sequence shares, router mismatch, seconds per step.
 OUT is written to a temporary name and renamed; the curves go to <OUT stem>.png beside it. With `--work-dir DIR`
@@ -44,16 +51,40 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/e2e.py: spin-wa
 from bench import load_average, machine_info  # noqa: E402
 from rl.correction_setting import RolloutCorrection  # noqa: E402
 
-ARMS: dict[str, tuple[str, RolloutCorrection]] = {
-    "bf16-tis": ("bf16", RolloutCorrection(mode="tis")),
-    "fp8-none": ("fp8", RolloutCorrection(mode="none")),
-    "fp8-tis": ("fp8", RolloutCorrection(mode="tis")),
-    "fp8-icepop": ("fp8", RolloutCorrection(mode="icepop")),
-    "fp8-geo-mask": ("fp8", RolloutCorrection(mode="geo-mask", reject_low=0.99, reject_high=1.01)),
-    "fp8-opsm": ("fp8", RolloutCorrection(mode="none", opsm=True)),
-    "fp8-r3-tis": ("fp8", RolloutCorrection(mode="tis", routing_replay=True)),
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What one arm changes; everything else is the same for every arm."""
+
+    rollout_weights: str
+    """fp8 or bf16 (TrainRunConfig.rollout_weights)."""
+    correction: RolloutCorrection
+    quantization_aware: bool | None = None
+    """The trainer forwards with the FP8 weights the rollout serves; None: on for FP8 rollout (the embedded
+    default), off for BF16 rollout (nothing to reproduce)."""
+
+    @property
+    def trainer_sees_fp8(self) -> bool:
+        return self.rollout_weights == "fp8" if self.quantization_aware is None else self.quantization_aware
+
+
+ARMS: dict[str, Arm] = {
+    "bf16-tis": Arm("bf16", RolloutCorrection(mode="tis")),
+    "fp8-none": Arm("fp8", RolloutCorrection(mode="none")),
+    "fp8-tis": Arm("fp8", RolloutCorrection(mode="tis")),
+    "fp8-icepop": Arm("fp8", RolloutCorrection(mode="icepop")),
+    "fp8-geo-mask": Arm("fp8", RolloutCorrection(mode="geo-mask", reject_low=0.99, reject_high=1.01)),
+    "fp8-opsm": Arm("fp8", RolloutCorrection(mode="none", opsm=True)),
+    "fp8-r3-tis": Arm("fp8", RolloutCorrection(mode="tis", routing_replay=True)),
 }
-"""Arm name -> (rollout weights, rollout correction)."""
+"""The issue's arms, run by default."""
+BF16_TRAINER_ARMS: dict[str, Arm] = {
+    "fp8-bf16trainer-none": Arm("fp8", RolloutCorrection(mode="none"), quantization_aware=False),
+    "fp8-bf16trainer-tis": Arm("fp8", RolloutCorrection(mode="tis"), quantization_aware=False),
+}
+"""FP8 rollout against a trainer that forwards its BF16 weights (the cluster's mismatch); run with --arms."""
+ALL_ARMS = {**ARMS, **BF16_TRAINER_ARMS}
 STEP_METRICS = {"abs_dlogprob": "train/train_rollout_logprob_abs_diff",
                 "masked_token_frac": "train/correction_masked_token_frac",
                 "masked_seq_frac": "train/correction_masked_seq_frac", "opsm_clipfrac": "train/opsm_clipfrac",
@@ -94,28 +125,30 @@ class LearningSettings:
 
 
 def parse_arms(arms: str | list[str] | None) -> list[str]:
-    """The arms to run, in ARMS' order; a comma list or None (all). An unknown name is one line naming the known."""
+    """The arms to run, in ALL_ARMS' order; a comma list or None (the issue's seven, ARMS). An unknown name is one
+    line naming the known."""
     if arms is None:
         return list(ARMS)
     names = [a.strip() for a in (arms.split(",") if isinstance(arms, str) else arms) if a.strip()]
-    unknown = [a for a in names if a not in ARMS]
+    unknown = [a for a in names if a not in ALL_ARMS]
     if unknown or not names:
-        raise ValueError(f"--arms: unknown arm(s) {unknown or names}; choose from {', '.join(ARMS)}")
-    return [a for a in ARMS if a in names]
+        raise ValueError(f"--arms: unknown arm(s) {unknown or names}; choose from {', '.join(ALL_ARMS)}")
+    return [a for a in ALL_ARMS if a in names]
 
 
 def run_config(arm: str, seed: int, settings: LearningSettings, base: str | None = None):
     """The TrainRunConfig of one arm and seed (only the rollout weights and the correction differ between arms)."""
     from engines.train.run import TrainRunConfig
 
-    weights, correction = ARMS[arm]
+    spec = ALL_ARMS[arm]
     default = TrainRunConfig()
     loop = dataclasses.replace(default.loop, seed=seed, prompts_per_step=settings.prompts_per_step,
                                n_samples=settings.n_samples, eval_interval=settings.eval_interval,
                                eval_samples=settings.eval_samples, max_new_tokens=settings.max_new_tokens)
     return TrainRunConfig(base=base or default.base, steps=settings.steps, save_interval=settings.steps,
                           n_eval=settings.n_eval, lr=settings.lr, loop=loop, use_ray=settings.use_ray,
-                          rollout_weights=weights, quantization_aware=weights == "fp8", rollout_correction=correction,
+                          rollout_weights=spec.rollout_weights, quantization_aware=spec.trainer_sees_fp8,
+                          rollout_correction=spec.correction,
                           mismatch_action="alert")
 
 
@@ -137,8 +170,9 @@ def summarize(arm: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     for name, key in STEP_METRICS.items():
         values = [row[key] for r in runs for row in r["metrics"] if key in row]
         per_step[name] = sum(values) / len(values) if values else None
-    weights, correction = ARMS[arm]
-    return {"arm": arm, "rollout_weights": weights, "correction": correction.to_dict(), "seeds": len(runs),
+    spec = ALL_ARMS[arm]
+    return {"arm": arm, "rollout_weights": spec.rollout_weights, "trainer_sees_fp8": spec.trainer_sees_fp8,
+            "correction": spec.correction.to_dict(), "seeds": len(runs),
             "evals": evals, **per_step}
 
 
