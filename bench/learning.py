@@ -23,7 +23,8 @@ The BF16-trainer arms take that away, as on the cluster, where Megatron's forwar
 
 Per arm and evaluation: held-out pass@1 and pass@8, mean and standard error across seeds (null with one seed);
 per arm: mean |Δlogprob| train vs rollout, masked token / sequence shares, router mismatch, seconds per step.
-OUT is written to a temporary name and renamed; the curves go to <OUT stem>.png beside it. With `--work-dir DIR`
+With bf16-tis among the arms, each arm also gets its pass@1 gap to it, paired by seed (gap_to_baseline), and its
+seconds per step relative to it. OUT is written to a temporary name and renamed; the curves go to <OUT stem>.png beside it. With `--work-dir DIR`
 every finished run leaves DIR/<arm>/seed-<n>/bench-run.json, and the same command run again reuses those and
 reruns only the runs that had not finished (an interrupted experiment of hours continues where it stopped).
 
@@ -204,19 +205,43 @@ def _run_one(arm: str, seed: int, settings: LearningSettings, run_dir: Path, bas
     return run
 
 
+BASELINE = "bf16-tis"
+GAP_FROM_STEP = 5
+"""The learning gap is averaged over the evaluations from this step on (step 0 is the shared base)."""
+
+
+def gap_to_baseline(runs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:
+    """Held-out pass@1 of an arm minus BF16 rollout's, paired by seed (a seed's arms share data and evaluation):
+    per seed the mean difference over the evaluations from GAP_FROM_STEP on, and at the last one; then mean and
+    standard error across the seeds both arms ran."""
+    def by_step(run):
+        return {e["step"]: e["pass@1"] for e in run["evals"]}
+
+    base = {r["seed"]: by_step(r) for r in baseline}
+    pairs = [(by_step(r), base[r["seed"]]) for r in runs if r["seed"] in base]
+    if not pairs:
+        return {"mean": None, "se": None, "last": None, "last_se": None, "seeds": 0}
+    steps = sorted(set.intersection(*(set(a) & set(b) for a, b in pairs)))
+    later = [s for s in steps if s >= GAP_FROM_STEP]
+    mean, se = _mean_se([sum(a[s] - b[s] for s in later) / len(later) for a, b in pairs]) if later else (None, None)
+    last, last_se = _mean_se([a[steps[-1]] - b[steps[-1]] for a, b in pairs])
+    return {"mean": mean, "se": se, "last": last, "last_se": last_se, "from_step": GAP_FROM_STEP,
+            "last_step": steps[-1], "seeds": len(pairs)}
+
+
 def main(json_out: Path, *, steps: int | None = None, arms: str | list[str] | None = None, seeds: int | None = None,
          prompts_per_step: int | None = None, n_eval: int | None = None, settings: LearningSettings | None = None,
          work_dir: Path | None = None, base: str | None = None, log=print) -> dict[str, Any]:
     """Run every arm x seed, write OUT (JSON) and its PNG; `work_dir` keeps the runs and their results, and the
     runs that finished there are reused (default: a temp dir, nothing kept)."""
-    from bench.learning_plot import plot_learning
+    from bench.learning_plot import learning_table, plot_learning
 
     settings = settings or LearningSettings()
     given = {"steps": steps, "seeds": seeds, "prompts_per_step": prompts_per_step, "n_eval": n_eval}
     settings = dataclasses.replace(settings, **{k: v for k, v in given.items() if v})
     names, json_out = parse_arms(arms), Path(json_out)
     machine = machine_info()
-    results = []
+    results, runs_of = [], {}
     with tempfile.TemporaryDirectory(prefix="v4rl-bench-learning-") as tmp:
         work = Path(work_dir) if work_dir else Path(tmp)
         for arm in names:
@@ -227,6 +252,12 @@ def main(json_out: Path, *, steps: int | None = None, arms: str | list[str] | No
                 log(f"{arm} seed {seed}: pass@1 {last['pass@1']:.3f} at step {last['step']} "
                     f"({runs[-1]['wall_seconds']:.0f} s)")
             results.append(summarize(arm, runs))
+            runs_of[arm] = runs
+    if BASELINE in runs_of:
+        base_seconds = next(r["step_seconds"] for r in results if r["arm"] == BASELINE)
+        for row in results:
+            row["gap_pass@1_vs_bf16"] = gap_to_baseline(runs_of[row["arm"]], runs_of[BASELINE])
+            row["step_seconds_vs_bf16"] = row["step_seconds"] / base_seconds if base_seconds else None
     result = {"settings": dataclasses.asdict(settings), "arms": results, "machine": machine,
               "load_avg_1m_at_end": load_average()}
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,4 +265,5 @@ def main(json_out: Path, *, steps: int | None = None, arms: str | list[str] | No
     tmp_out.write_text(json.dumps(result, indent=2))
     os.replace(tmp_out, json_out)
     result["plot"] = str(plot_learning(result, json_out.with_suffix(".png")))
+    log(learning_table(result))
     return result

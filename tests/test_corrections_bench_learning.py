@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from bench.learning import ARMS, LearningSettings, main, parse_arms, run_config
+from bench.learning import ARMS, LearningSettings, gap_to_baseline, main, parse_arms, run_config
+from bench.learning_plot import learning_table
 
 TINY = LearningSettings(steps=1, seeds=1, prompts_per_step=4, n_samples=4, eval_interval=1, n_eval=8, eval_samples=8,
                         max_new_tokens=6, lr=1e-3)
@@ -35,6 +36,10 @@ def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
         assert 0.0 <= arm["router_mismatch_frac"] < 0.2  # logged without routing replay too
     bf16, fp8 = written["arms"]
     assert (bf16["rollout_weights"], fp8["rollout_weights"]) == ("bf16", "fp8")
+    assert bf16["gap_pass@1_vs_bf16"]["last"] == 0.0 and bf16["step_seconds_vs_bf16"] == 1.0
+    assert fp8["gap_pass@1_vs_bf16"]["last"] == pytest.approx(fp8["evals"][-1]["pass@1"] - bf16["evals"][-1]["pass@1"])
+    table = learning_table(written).splitlines()
+    assert len(table) == 4 and table[2].startswith("| bf16-tis | BF16 |") and table[3].startswith("| fp8-tis | FP8")
     # the BF16 arm's rollout really served unquantized linears: its start weights hold no FP8 scales
     start = json.loads((tmp_path / "runs" / "bf16-tis" / "seed-0" / "weights" / "current" / "config.json").read_text())
     assert "quantization_config" not in start
@@ -53,6 +58,18 @@ def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
     with pytest.raises(ValueError, match="seed-0/bench-run.json: finished with other settings"):
         main(tmp_path / "other.json", arms="fp8-tis", settings=TINY, steps=2, work_dir=tmp_path / "runs",
              base=str(tiny_base), log=lambda m: None)
+
+
+def test_the_gap_is_paired_by_seed_and_averaged_from_step_5():
+    def run(seed, curve):
+        return {"seed": seed, "evals": [{"step": s, "pass@1": p} for s, p in zip((0, 5, 10), curve)]}
+
+    base = [run(0, (0.2, 0.3, 0.4)), run(1, (0.2, 0.5, 0.6))]
+    arm = [run(0, (0.2, 0.2, 0.3)), run(1, (0.2, 0.5, 0.5)), run(2, (0.2, 0.9, 0.9))]  # seed 2: no pair, left out
+    gap = gap_to_baseline(arm, base)
+    # seed 0: mean(-0.1, -0.1) = -0.1; seed 1: mean(0, -0.1) = -0.05 -> -0.075, se = stdev/sqrt(2) = 0.025
+    assert gap["seeds"] == 2 and gap["mean"] == pytest.approx(-0.075) and gap["se"] == pytest.approx(0.025)
+    assert gap["last"] == pytest.approx(-0.1) and gap["last_se"] == pytest.approx(0.0)
 
 
 def test_arms_differ_only_in_rollout_weights_and_correction():
