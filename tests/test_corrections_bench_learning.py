@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from bench.learning import ARMS, LearningSettings, main, parse_arms, run_config
+from bench.learning import ARMS, LearningSettings, gap_to_baseline, main, parse_arms, run_config
+from bench.learning_plot import learning_table
 
 TINY = LearningSettings(steps=1, seeds=1, prompts_per_step=4, n_samples=4, eval_interval=1, n_eval=8, eval_samples=8,
                         max_new_tokens=6, lr=1e-3)
@@ -18,8 +19,12 @@ TINY = LearningSettings(steps=1, seeds=1, prompts_per_step=4, n_samples=4, eval_
 
 def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
     out = tmp_path / "bench" / "learning.json"
+    unfinished = tmp_path / "runs" / "fp8-tis" / "seed-0"
+    unfinished.mkdir(parents=True)
+    (unfinished / "left-by-an-interrupted-run").write_text("")
     result = main(out, arms="fp8-tis,bf16-tis", settings=TINY, work_dir=tmp_path / "runs", base=str(tiny_base),
                   log=lambda m: None)
+    assert not (unfinished / "left-by-an-interrupted-run").exists()  # an unfinished run is rerun from scratch
     written = json.loads(out.read_text())
     assert [a["arm"] for a in written["arms"]] == ["bf16-tis", "fp8-tis"]  # ARMS' order, not the option's
     for arm in written["arms"]:
@@ -31,6 +36,10 @@ def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
         assert 0.0 <= arm["router_mismatch_frac"] < 0.2  # logged without routing replay too
     bf16, fp8 = written["arms"]
     assert (bf16["rollout_weights"], fp8["rollout_weights"]) == ("bf16", "fp8")
+    assert bf16["gap_pass@1_vs_bf16"]["last"] == 0.0 and bf16["step_seconds_vs_bf16"] == 1.0
+    assert fp8["gap_pass@1_vs_bf16"]["last"] == pytest.approx(fp8["evals"][-1]["pass@1"] - bf16["evals"][-1]["pass@1"])
+    table = learning_table(written).splitlines()
+    assert len(table) == 4 and table[2].startswith("| bf16-tis | BF16 |") and table[3].startswith("| fp8-tis | FP8")
     # the BF16 arm's rollout really served unquantized linears: its start weights hold no FP8 scales
     start = json.loads((tmp_path / "runs" / "bf16-tis" / "seed-0" / "weights" / "current" / "config.json").read_text())
     assert "quantization_config" not in start
@@ -38,7 +47,29 @@ def test_two_arms_write_the_json_and_the_curves(tiny_base, tmp_path):
     assert "quantization_config" in json.loads(fp8_start.read_text())
     png = out.with_suffix(".png")
     assert result["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result_mtime = (unfinished / "bench-run.json").stat().st_mtime_ns
     assert not list(out.parent.glob(".*.tmp*"))  # written under a temporary name, renamed when complete
+
+    # run again on the same work dir: both finished runs are reused (no training), the result is the same
+    again = main(tmp_path / "again.json", arms="fp8-tis,bf16-tis", settings=TINY, work_dir=tmp_path / "runs",
+                 base=str(tiny_base), log=lambda m: None)
+    assert [a["evals"] for a in again["arms"]] == [a["evals"] for a in written["arms"]]
+    assert (unfinished / "bench-run.json").stat().st_mtime_ns == result_mtime
+    with pytest.raises(ValueError, match="seed-0/bench-run.json: finished with other settings"):
+        main(tmp_path / "other.json", arms="fp8-tis", settings=TINY, steps=2, work_dir=tmp_path / "runs",
+             base=str(tiny_base), log=lambda m: None)
+
+
+def test_the_gap_is_paired_by_seed_and_averaged_from_step_5():
+    def run(seed, curve):
+        return {"seed": seed, "evals": [{"step": s, "pass@1": p} for s, p in zip((0, 5, 10), curve)]}
+
+    base = [run(0, (0.2, 0.3, 0.4)), run(1, (0.2, 0.5, 0.6))]
+    arm = [run(0, (0.2, 0.2, 0.3)), run(1, (0.2, 0.5, 0.5)), run(2, (0.2, 0.9, 0.9))]  # seed 2: no pair, left out
+    gap = gap_to_baseline(arm, base)
+    # seed 0: mean(-0.1, -0.1) = -0.1; seed 1: mean(0, -0.1) = -0.05 -> -0.075, se = stdev/sqrt(2) = 0.025
+    assert gap["seeds"] == 2 and gap["mean"] == pytest.approx(-0.075) and gap["se"] == pytest.approx(0.025)
+    assert gap["last"] == pytest.approx(-0.1) and gap["last_se"] == pytest.approx(0.0)
 
 
 def test_arms_differ_only_in_rollout_weights_and_correction():
@@ -48,6 +79,9 @@ def test_arms_differ_only_in_rollout_weights_and_correction():
     assert b.rollout_correction.routing_replay and not a.rollout_correction.routing_replay
     assert a.loop == b.loop and a.loop.seed == 2 and (a.steps, a.n_eval, a.lr) == (b.steps, b.n_eval, b.lr)
     assert len(ARMS) == 7 and parse_arms(None) == list(ARMS)
+    plain = run_config("fp8-bf16trainer-tis", 2, TINY)  # the cluster's mismatch: FP8 rollout, BF16 forward
+    assert (plain.rollout_weights, plain.quantization_aware) == ("fp8", False) and plain.loop == a.loop
+    assert ARMS["fp8-geo-mask"].correction.reject_bounds == (0.99, 1.01)  # SkyRL's; Miles' 0.9999/1.0001 masked 97%
 
 
 def test_bad_input_is_one_line(tmp_path):
@@ -63,6 +97,8 @@ def test_bad_input_is_one_line(tmp_path):
     assert res.exit_code == 2 and "--arms: unknown arm(s) ['nope']" in res.output
     res = CliRunner().invoke(app, ["bench", "train", "--json", str(tmp_path / "t.json"), "--seeds", "2"])
     assert res.exit_code == 2 and "--seeds applies to learning only" in res.output
+    res = CliRunner().invoke(app, ["bench", "e2e", "--json", str(tmp_path / "e.json"), "--work-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "--work-dir applies to learning only" in res.output
 
 
 def test_the_engine_serves_bf16_and_refuses_to_mix_storages(tiny_checkpoint, tmp_path):

@@ -1,7 +1,7 @@
 """`v4rl bench convert|rollout|train|e2e|learning --json OUT`: side-by-side benchmarks (bench/), JSON out.
 
-`v4rl bench learning` takes `--arms A,B` and `--seeds N` besides `--steps` (bench/learning.py: FP8 rollout with each
-correction against BF16 rollout).
+`v4rl bench learning` takes `--arms A,B`, `--seeds N`, `--prompts-per-step N`, `--n-eval N` and `--work-dir DIR`
+(resumable) besides `--steps` (bench/learning.py: FP8 rollout with each correction against BF16 rollout).
 
 `v4rl bench rollout --config-sweep --json OUT` runs the rollout bench over several DeepSeek-V4 shapes instead
 (bench/rollout_sweep.py).
@@ -31,6 +31,12 @@ def register(app: typer.Typer) -> None:
               arms: str = typer.Option(None, "--arms", help="learning only: comma list of arms (default all: "
                                        "bf16-tis, fp8-none, fp8-tis, fp8-icepop, fp8-geo-mask, fp8-opsm, fp8-r3-tis)."),
               seeds: int = typer.Option(None, "--seeds", min=1, help="learning only: seeds per arm (default 3)."),
+              prompts_per_step: int = typer.Option(None, "--prompts-per-step", min=1,
+                                                   help="learning only: prompts per GRPO step (default 128)."),
+              n_eval: int = typer.Option(None, "--n-eval", min=1,
+                                         help="learning only: held-out problems per evaluation (default 200)."),
+              work_dir: Path = typer.Option(None, "--work-dir", help="learning only: keep the runs here; runs that "
+                                            "finished there are reused, so an interrupted experiment continues."),
               config_sweep: bool = typer.Option(False, "--config-sweep",
                                                 help="rollout only: several DeepSeek-V4 shapes instead of tiny-cpu "
                                                      "(writes a PNG beside the JSON).")) -> None:
@@ -44,7 +50,8 @@ def register(app: typer.Typer) -> None:
             None if not config_sweep or name in SWEEPS else
             f"--config-sweep applies to {', '.join(SWEEPS)} only, not {name!r}",
             *(None if value is None or name == "learning" else f"{flag} applies to learning only, not {name!r}"
-              for flag, value in (("--arms", arms), ("--seeds", seeds))),
+              for flag, value in (("--arms", arms), ("--seeds", seeds), ("--prompts-per-step", prompts_per_step),
+                                  ("--n-eval", n_eval), ("--work-dir", work_dir))),
             _arms_problem(arms) if name == "learning" else None,
             inputs.output_file("--json", json_out))  # before a benchmark of minutes, not when it writes its result
         if problem:
@@ -58,7 +65,8 @@ def register(app: typer.Typer) -> None:
                 raise
             typer.secho(f"benchmark {name!r} is not built yet", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
-        given = {"steps": steps, "arms": arms, "seeds": seeds}
+        given = {"steps": steps, "arms": arms, "seeds": seeds, "prompts_per_step": prompts_per_step, "n_eval": n_eval,
+                 "work_dir": work_dir}
         module.main(json_out, **{k: v for k, v in given.items() if v is not None})
 
 
