@@ -48,8 +48,11 @@ class _Command:
         self.log = tmp_path / f"{name}.log"
         environ = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
         with open(self.log, "w") as out:
+            # a terminal's Ctrl-C finds SIGINT at its default; a suite started in the background of a
+            # non-interactive shell (nohup ... &) inherits it ignored, and Python keeps an ignored SIGINT ignored
             self.proc = subprocess.Popen([sys.executable, "-m", "v4rl.cli", *args], cwd=ROOT, env=environ,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_sigint_at_default)
 
     def output(self) -> str:
         return self.log.read_text()
@@ -77,6 +80,10 @@ class _Command:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def _sigint_at_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
