@@ -31,10 +31,11 @@ def plot_learning(result: dict[str, Any], path: Path) -> Path:
     return _save(fig, Path(path))
 
 
-def _pm(mean: float | None, se: float | None, digits: int = 3) -> str:
+def _pm(mean: float | None, se: float | None, signed: bool = False, digits: int = 3) -> str:
     if mean is None:
         return "-"
-    return f"{mean:+.{digits}f}" if se is None else f"{mean:+.{digits}f} ± {se:.{digits}f}"
+    text = f"{mean:{'+' if signed else ''}.{digits}f}"
+    return text if se is None else f"{text} ± {se:.{digits}f}"
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -54,14 +55,15 @@ def learning_table(result: dict[str, Any], steps: tuple[int, ...] | None = None)
         at = {e["step"]: e for e in arm["evals"]}
         gap = arm.get("gap_pass@1_vs_bf16") or {}
         gap_text = "-" if arm["arm"] == "bf16-tis" or gap.get("mean") is None else (
-            f"{_pm(gap['mean'], gap['se'])} (steps ≥ {gap['from_step']}); {_pm(gap['last'], gap['last_se'])} "
+            f"{_pm(gap['mean'], gap['se'], signed=True)} (steps ≥ {gap['from_step']}); "
+            f"{_pm(gap['last'], gap['last_se'], signed=True)} "
             f"at {gap['last_step']}")
         ratio = arm.get("step_seconds_vs_bf16")
         seconds = _num(arm["step_seconds"], ".1f") + (f" ({ratio:.2f}x)" if ratio and arm["arm"] != "bf16-tis"
                                                       else "")
         row = [arm["arm"], "FP8 weights" if arm.get("trainer_sees_fp8", arm["rollout_weights"] == "fp8") else "BF16",
-               *(_pm(at[s]["pass@1"], at[s]["pass@1_se"]).lstrip("+") if s in at else "-" for s in shown),
-               _pm(at[shown[-1]]["pass@8"], at[shown[-1]]["pass@8_se"]).lstrip("+"), gap_text,
+               *(_pm(at[s]["pass@1"], at[s]["pass@1_se"]) if s in at else "-" for s in shown),
+               _pm(at[shown[-1]]["pass@8"], at[shown[-1]]["pass@8_se"]), gap_text,
                _num(arm["abs_dlogprob"], ".4f"), _num(arm["masked_token_frac"], ".3f"),
                _num(arm["masked_seq_frac"], ".3f"), _num(arm["router_mismatch_frac"], ".4f"), seconds]
         lines.append("| " + " | ".join(row) + " |")
