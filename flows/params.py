@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
+from engines.backends import backend_name
 from engines.presets.runs import get_run_preset, run_numbers
 from engines.presets.spec import RehearsalStage
 
@@ -214,7 +215,7 @@ class PipelineParams(BaseModel):
     def _reward_reaches_the_trainer(self) -> "PipelineParams":
         for name in ("reward", "eval_reward"):
             value = getattr(self, name)
-            if self.preset != "tiny-cpu" and value not in ("auto", "math-verify"):
+            if backend_name(self.preset) == "miles" and value not in ("auto", "math-verify"):
                 raise ValueError(f"{name}={value!r} applies to the embedded tiny-cpu run only; on {self.preset} Miles "
                                  "trains, evaluates and grades with its own --rm-type math: leave it at auto or "
                                  "math-verify (a custom Miles reward is its --custom-rm-path, not wired here)")
@@ -222,8 +223,6 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _rehearsal_needs_a_miles_job(self) -> "PipelineParams":
-        from engines.backends import backend_name
-
         if self.rehearse and backend_name(self.preset) != "miles":
             raise ValueError(f"rehearse={self.rehearse!r}: {self.preset} runs the embedded engines here, with no Miles "
                              "job to rehearse; leave rehearse empty, or rehearse a cluster preset "
@@ -246,7 +245,7 @@ class PipelineParams(BaseModel):
     @model_validator(mode="after")
     def _correction_reaches_the_trainer(self) -> "PipelineParams":
         self.correction()  # ValueError naming the field and the fix
-        if self.preset != "tiny-cpu" and self.rollout_correction in MIS_ALTERNATIVE:
+        if backend_name(self.preset) == "miles" and self.rollout_correction in MIS_ALTERNATIVE:
             raise ValueError(f"rollout_correction={self.rollout_correction!r} needs Miles' {MIS_EXAMPLE} (mis.py), "
                              f"which the pinned Miles generations do not carry; use "
                              f"{MIS_ALTERNATIVE[self.rollout_correction]!r} on {self.preset}, or run "
@@ -301,7 +300,8 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineParams":
-        if self.preset == "tiny-cpu" and not (Path(self.hf_checkpoint) / "config.json").exists():
+        # the embedded engines load hf_checkpoint on this host; a Miles job reads it on the cluster's shared disk
+        if backend_name(self.preset) == "embedded" and not (Path(self.hf_checkpoint) / "config.json").exists():
             from checkpoints.paths import not_hf_reason
 
             raise ValueError(f"hf_checkpoint {not_hf_reason(self.hf_checkpoint)}")
@@ -327,8 +327,6 @@ class PipelineParams(BaseModel):
     def backend(self):
         """The run's engines (engines/backends `Backend`), built once from the preset: the flow hands this one
         object to every task, which calls it without asking which engines it drives."""
-        from engines.backends import backend_name
-
         return _BUILDERS[backend_name(self.preset)](self)
 
     def miles_overrides(self) -> dict:
