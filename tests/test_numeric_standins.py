@@ -158,3 +158,24 @@ def test_miles_kernel_modules_bind_the_standins_when_imported(ks, tmp_path, monk
     assert module.sparse_mqa_bwd_interface is ks.sparse_mqa_bwd_interface
     for name in [m for m in sys.modules if m.startswith("miles_plugins")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_te_general_gemm_layouts_are_the_routers_forward_and_backward():
+    """TE's general_gemm stand-in in the three layouts Megatron's router gating Function uses (moe_utils.py):
+    TN forward, NN grad input, NT grad weight, the same products as Megatron's own fp32 fallback there."""
+    spec = importlib.util.spec_from_file_location(
+        "te_cpp_extensions_under_test",
+        NUMERIC_STANDINS.parent / "standins" / "transformer_engine" / "pytorch" / "cpp_extensions.py")
+    te = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(te)
+    g = torch.Generator().manual_seed(5)
+    inp, weight = torch.randn(6, 4, generator=g).bfloat16(), torch.randn(3, 4, generator=g).bfloat16()
+    grad_out = torch.randn(6, 3, generator=g)
+    out = te.general_gemm(weight, inp, None, torch.float32, layout="TN")[0]
+    torch.testing.assert_close(out, inp.float() @ weight.float().t())
+    grad_in = te.general_gemm(weight.float(), grad_out, None, torch.float32, layout="NN", grad=True)[0]
+    torch.testing.assert_close(grad_in, grad_out @ weight.float())
+    grad_w = te.general_gemm(inp.float(), grad_out, None, torch.float32, layout="NT", grad=True)[0]
+    torch.testing.assert_close(grad_w, grad_out.t() @ inp.float())
+    with pytest.raises(NotImplementedError, match="got TT"):
+        te.general_gemm(weight, inp, None, torch.float32, layout="TT")
