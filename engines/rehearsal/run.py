@@ -273,6 +273,11 @@ TRAIN_STANDIN_ROWS = [
     Substitution("tile_kernels mHC, fast_hadamard_transform, torch.mm(out_dtype)", "GPU kernels",
                  "probes/numeric_standins.py: TileKernels' own torch references, Sylvester-Hadamard matmul, fp32 mm",
                  "the kernels' math in differentiable torch ops: the backward is autograd through them"),
+    Substitution("tilelang sparse attention with sinks, lightning indexer", "Miles' tilelang kernels, forward and "
+                 "backward", "probes/numeric_standins.py: sparse_mqa_fwd/bwd_interface, batched_indexer_fwd/bwd, "
+                 "bound as Miles imports its kernel modules", "no tilelang on a CPU; Miles' own autograd Functions "
+                 "call them (--dsv4-impl miles, generation 1); each backward is the gradient of its forward "
+                 "(tests/test_numeric_standins.py gradchecks)"),
 ]
 
 

@@ -228,12 +228,24 @@ rollout logprob| per response token) on the tiny model: measured 0.100 and 0.110
 bound ~2.3x that. Not yet derived from an independent bf16-noise measurement (docs/rehearsal.md, Status)."""
 
 
+MODEL_IMPLS = [pytest.param("miles_gen2_tree", "megatron", id="gen2-megatron"),
+               pytest.param("miles_gen2_tree", "miles", id="gen2-miles"),
+               pytest.param("miles_tree", None, id="gen1")]
+"""The Miles generations and DeepSeek-V4 implementations stages train and full run: generation 2's Megatron
+attention (--dsa-kernel-backend none), generation 2's and generation 1's Miles model, whose tilelang sparse
+attention and indexer run as numeric_standins.py's forward and backward interfaces (tests/test_numeric_standins.py
+gradchecks them), generation 1's TileKernels mHC ops as the package's own torch references."""
+
+
 @pytest.mark.slow
-def test_train_stage_trains_miles_megatron_actor_on_the_rollout_stages_data(miles_gen2_tree, sglang_paths, tmp_path):
+@pytest.mark.parametrize("generation,impl", MODEL_IMPLS)
+def test_train_stage_trains_miles_megatron_actor_on_the_rollout_stages_data(generation, impl, request, sglang_paths,
+                                                                          tmp_path):
     import math
 
-    report = rehearse(RehearsalRequest(stage="train", miles_dir=str(miles_gen2_tree), work_dir=str(tmp_path),
-                                       dsv4_impl="megatron", timeout_s=900))
+    miles = request.getfixturevalue(generation)
+    report = rehearse(RehearsalRequest(stage="train", miles_dir=str(miles), work_dir=str(tmp_path),
+                                       dsv4_impl=impl, timeout_s=900))
     assert report.stages["rollout"]["ok"], report.stages["rollout"]["error"]
     assert report.stages["train"]["ok"], report.stages["train"]["error"]
     for rollout in ("0", "1"):
@@ -251,14 +263,16 @@ FULL_ROLLOUT_IDS = ["0", "1", "2"]
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="the resume fails in Megatron's load at core/optimizer/distrib_optimizer.py:889 "
                    "(no Apex/TE: a fresh torch optimizer has no 'step' state); docs/rehearsal.md, stage full status")
-def test_full_stage_runs_miles_loop_kill_and_resume(miles_gen2_tree, sglang_paths, tmp_path):
-    """Stage 3, generation 2 (--dsv4-impl megatron): Miles' normal loop against v4rl's engine, a kill after
+@pytest.mark.parametrize("generation,impl", MODEL_IMPLS)
+def test_full_stage_runs_miles_loop_kill_and_resume(generation, impl, request, sglang_paths, tmp_path):
+    """Stage 3, each generation and implementation: Miles' normal loop against v4rl's engine, a kill after
     rollout 1's save, the resume from --load at rollout 2; the engine equals the actor's export after every
     broadcast, and the resumed actor sends exactly what the engine had before the kill."""
     import math
 
-    report = rehearse(RehearsalRequest(stage="full", miles_dir=str(miles_gen2_tree), work_dir=str(tmp_path),
-                                       dsv4_impl="megatron", timeout_s=900))
+    miles = request.getfixturevalue(generation)
+    report = rehearse(RehearsalRequest(stage="full", miles_dir=str(miles), work_dir=str(tmp_path),
+                                       dsv4_impl=impl, timeout_s=900))
     stage = report.stages["full"]
     assert stage["ok"], stage["error"]
     assert sorted(report.rollouts) == FULL_ROLLOUT_IDS

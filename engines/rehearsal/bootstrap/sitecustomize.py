@@ -94,9 +94,13 @@ def _bucket_for_converter(module):
     (hf_weight_iterator_direct.py: the atomic update group's params). The rehearsal gives the broadcast path the same
     bucket: the update unit just gathered (`_all_gather_update_unit`, which keeps an atomic group together).
     Applied only where V4RL_REHEARSAL_WORKAROUNDS names it; the substitution table lists it."""
+    import inspect
+
     mixin = getattr(module, "DistBucketedWeightUpdateMixin", None)
     if mixin is None or not hasattr(mixin, "_all_gather_update_unit"):
         return
+    if "bucket" not in inspect.signature(module.convert_to_hf).parameters:
+        return  # 31f1ca961: convert_to_hf has no bucket parameter, its converter packs nothing from one
     real_gather, real_convert, unit = mixin._all_gather_update_unit, module.convert_to_hf, {}
 
     def gather(self, update_unit):

@@ -15,16 +15,26 @@ difference of Miles' model code or of the weights, not of a stand-in:
                                   matrix, in fp32, cast back to x's dtype (what the CUDA kernel computes).
   sparse MQA with sinks           Miles' tilelang `sparse_mqa_fwd_interface`: per query, softmax over the gathered
                                   KV rows (index -1 = masked) with the head's sink logit added to the denominator;
-                                  probabilities rounded to bf16 before the P.V product, as the kernel's shared-memory
-                                  copy does; output bf16, LSE fp32.
+                                  probabilities rounded to the input dtype (bf16) before the P.V product, as the
+                                  kernel's shared-memory copy does; output bf16, LSE fp32 (base 2, as the kernel's).
+                                  Its backward `sparse_mqa_bwd_interface` (Miles' autograd Function
+                                  DeepSeekV4SparseAttention calls it with the saved o and lse): the softmax gradient
+                                  written from the math (docstring), dq bf16, dkv bf16, d_attn_sink fp32.
   lightning indexer               Miles' tilelang `batched_indexer_fwd`: logits[b, s, j] = sum_h relu(q.k_j) * w_h
-                                  for j in [ks[s], ke[s]), -inf elsewhere; fp32 accumulation of bf16 inputs.
+                                  for j in [ks[s], ke[s]), -inf elsewhere; fp32 accumulation of bf16 inputs. Its
+                                  backward `batched_indexer_bwd` (Miles' V4IndexerFunction) at the top-k picks.
+
+Miles' kernel modules bind these when they are imported (`install` puts an import hook in place), so Miles' own
+autograd Functions run with them unchanged. Accumulation is fp32 for bf16/fp32 inputs and fp64 for fp64 ones (the
+unit tests gradcheck the forward/backward pairs in double: tests/test_numeric_standins.py).
   torch.mm(out_dtype=fp32)        bf16 inputs, fp32 matmul (what Miles' ROCm branch does; CPU torch lacks the op).
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -99,32 +109,138 @@ def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return ((x.float() @ _sylvester(x.shape[-1])) * scale).to(x.dtype)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The kernels accumulate bf16 inputs in fp32; fp64 inputs (the gradchecks) stay fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _gather_rows(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """kv [B,Skv,D], idx [B,S,K] (>= 0) -> the rows kv[b, idx[b,s,k]] as [B,S,K,D]."""
+    B, S, K = idx.shape
+    return torch.gather(kv.unsqueeze(1).expand(B, S, *kv.shape[1:]), 2,
+                        idx.unsqueeze(-1).expand(B, S, K, kv.shape[-1]))
+
+
 def sparse_mqa_fwd_interface(q, kv, attn_sink, topk_idxs, sm_scale=None, **kwargs):
     """q [B,S,H,D] bf16, kv [B,Skv,D] bf16, attn_sink [H] fp32, topk_idxs [B,S,K] int32 -> (o bf16, lse fp32)."""
     B, S, H, D = q.shape
+    acc = _acc(q.dtype)
     scale = sm_scale if sm_scale is not None else D ** -0.5
     idx = topk_idxs.long()
     valid = idx >= 0
-    gathered = torch.gather(kv.unsqueeze(1).expand(B, S, *kv.shape[1:]), 2,
-                            idx.clamp_min(0).unsqueeze(-1).expand(B, S, idx.shape[-1], D))  # [B,S,K,D]
-    scores = torch.einsum("bshd,bskd->bshk", q.float(), gathered.float())
+    gathered = _gather_rows(kv, idx.clamp_min(0)).to(acc)  # [B,S,K,D]
+    scores = torch.einsum("bshd,bskd->bshk", q.to(acc), gathered)
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf")) * scale
     m = scores.amax(-1, keepdim=True).clamp_min(-(2.0 ** 30) * scale)
     p = torch.exp(scores - m)
-    denom = p.sum(-1) + torch.exp(attn_sink.float().view(1, 1, H) - m.squeeze(-1))
-    o = torch.einsum("bshk,bskd->bshd", p.bfloat16().float(), gathered.float()) / denom.unsqueeze(-1)
-    lse = (torch.log(denom) + m.squeeze(-1)) / torch.log(torch.tensor(2.0))
-    return o.bfloat16(), lse
+    denom = p.sum(-1) + torch.exp(attn_sink.to(acc).view(1, 1, H) - m.squeeze(-1))
+    o = torch.einsum("bshk,bskd->bshd", p.to(q.dtype).to(acc), gathered) / denom.unsqueeze(-1)
+    lse = (torch.log(denom) + m.squeeze(-1)) / math.log(2.0)
+    return o.to(q.dtype), lse
+
+
+def sparse_mqa_bwd_interface(q, kv, attn_sink, o, do, topk_idxs, lse, sm_scale=None):
+    """The backward of sparse_mqa_fwd_interface, from the math. With s_j = scale * q.k_j over the picked rows
+    (k = v = kv, one KV head), Z = sum_j exp(s_j) + exp(sink), p_j = exp(s_j) / Z = exp(s_j - lse * ln 2) (lse is
+    log2 Z, as the forward returns it), o = sum_j p_j kv_j and delta = do.o (per query and head):
+      ds_j = p_j (do.kv_j - delta)       dq = scale * sum_j ds_j kv_j
+      dkv[idx_j] += sum_h (scale * ds_j q_h + p_j do_h)      d_sink[h] = -sum_{b,s} exp(sink_h - lse ln 2) delta
+    Masked picks (index -1) have p_j = 0. Returns (dq like q, dkv like kv, d_attn_sink like attn_sink)."""
+    B, S, H, D = q.shape
+    acc = _acc(q.dtype)
+    scale = sm_scale if sm_scale is not None else D ** -0.5
+    idx = topk_idxs.long()
+    valid = idx >= 0
+    safe = idx.clamp_min(0)
+    rows = _gather_rows(kv, safe).to(acc)  # [B,S,K,D]
+    qa, doa, lse_e = q.to(acc), do.to(acc), lse.to(acc) * math.log(2.0)
+    scores = torch.einsum("bshd,bskd->bshk", qa, rows) * scale
+    p = torch.exp(scores - lse_e.unsqueeze(-1)).masked_fill(~valid.unsqueeze(2), 0.0)
+    delta = (o.to(acc) * doa).sum(-1)  # [B,S,H]
+    ds = p * (torch.einsum("bshd,bskd->bshk", doa, rows) - delta.unsqueeze(-1))
+    dq = scale * torch.einsum("bshk,bskd->bshd", ds, rows)
+    d_rows = scale * torch.einsum("bshk,bshd->bskd", ds, qa) + torch.einsum("bshk,bshd->bskd", p, doa)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+    flat = (safe + torch.arange(B, device=kv.device).view(B, 1, 1) * kv.shape[1]).reshape(-1)
+    dkv.view(-1, D).index_add_(0, flat, d_rows.reshape(-1, D))
+    p_sink = torch.exp(attn_sink.to(acc).view(1, 1, H) - lse_e)
+    d_sink = -(p_sink * delta).sum((0, 1))
+    return dq.to(q.dtype), dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
 
 
 def batched_indexer_fwd(q, k, weights, cu_seqlen_ks, cu_seqlen_ke):
     """q [S,B,H,D] bf16, k [Skv,B,D] bf16, weights [S,B,H] fp32 -> logits [B,S,Skv] fp32 (causal range only)."""
     S, B, H, D = q.shape
-    scores = torch.einsum("sbhd,jbd->bshj", q.float(), k.float()).clamp_min(0)
-    logits = (scores * weights.float().permute(1, 0, 2).unsqueeze(-1)).sum(2)  # [B,S,Skv]
+    acc = _acc(q.dtype)
+    scores = torch.einsum("sbhd,jbd->bshj", q.to(acc), k.to(acc)).clamp_min(0)
+    logits = (scores * weights.to(acc).permute(1, 0, 2).unsqueeze(-1)).sum(2)  # [B,S,Skv]
     j = torch.arange(k.shape[0]).view(1, 1, -1)
     inside = (j >= cu_seqlen_ks.long().view(1, -1, 1)) & (j < cu_seqlen_ke.long().view(1, -1, 1))
     return logits.masked_fill(~inside, float("-inf"))
+
+
+def batched_indexer_bwd(index_q, weights, index_k, topk_indices, grad_scores):
+    """The backward of the indexer's scores at its top-k picks, from the math: score[b,s,t] =
+    sum_h relu(q[s,b,h].k[j,b]) w[s,b,h] with j = topk_indices[b,s,t] (-1: no pick, no gradient), so with
+    g = grad_scores and r = relu'(q.k_j) g w:  dq[s,b,h] = sum_t r k_j,  dw[s,b,h] = sum_t g relu(q.k_j),
+    dk[j,b] += sum_h r q[s,b,h]. Returns (grad_q like index_q, grad_w fp32, grad_k fp32), as Miles' kernel."""
+    S, B, H, D = index_q.shape
+    acc = _acc(index_q.dtype)
+    idx = topk_indices.long()
+    valid = idx >= 0
+    safe = idx.clamp_min(0)
+    keys = _gather_rows(index_k.to(acc).transpose(0, 1), safe)  # [B,S,T,D]
+    q = index_q.to(acc).transpose(0, 1)  # [B,S,H,D]
+    w = weights.to(acc).transpose(0, 1)  # [B,S,H]
+    g = grad_scores.to(acc).masked_fill(~valid, 0.0)  # [B,S,T]
+    dots = torch.einsum("bshd,bstd->bsht", q, keys)
+    r = (dots > 0).to(acc) * g.unsqueeze(2) * w.unsqueeze(-1)  # [B,S,H,T]
+    grad_q = torch.einsum("bsht,bstd->bshd", r, keys).transpose(0, 1)
+    grad_w = (dots.clamp_min(0) * g.unsqueeze(2)).sum(-1).transpose(0, 1)
+    d_keys = torch.einsum("bsht,bshd->bstd", r, q)
+    grad_k = torch.zeros(B, index_k.shape[0], D, dtype=acc, device=index_k.device)
+    flat = (safe + torch.arange(B, device=index_k.device).view(B, 1, 1) * index_k.shape[0]).reshape(-1)
+    grad_k.view(-1, D).index_add_(0, flat, d_keys.reshape(-1, D))
+    return grad_q.to(index_q.dtype), grad_w.to(_acc(weights.dtype)), grad_k.transpose(0, 1)
+
+
+_MILES_KERNELS = "miles_plugins.models.deepseek_v4.ops.kernel."
+MILES_KERNEL_NAMES = {
+    _MILES_KERNELS + "tilelang_sparse_mla_fwd": {"sparse_mqa_fwd_interface": sparse_mqa_fwd_interface},
+    _MILES_KERNELS + "tilelang_sparse_mla_bwd": {"sparse_mqa_bwd_interface": sparse_mqa_bwd_interface},
+    _MILES_KERNELS + "tilelang_indexer_fwd": {"batched_indexer_fwd": batched_indexer_fwd},
+    _MILES_KERNELS + "tilelang_indexer_bwd": {"batched_indexer_bwd": batched_indexer_bwd},
+    _MILES_KERNELS + "tilelang_indexer": {"batched_indexer_fwd": batched_indexer_fwd,
+                                          "batched_indexer_bwd": batched_indexer_bwd},
+    "miles_plugins.models.deepseek_v4.ops.v4_indexer": {"batched_indexer_fwd": batched_indexer_fwd},
+}
+"""Miles' modules (both generations) that define or bind (`from ... import`) a tilelang entry point, and the
+stand-in each name gets. The kernel modules are patched as they are imported, so a later `from ... import` binds
+the stand-in; the binding modules are listed for a caller that imported them first (patch_miles_kernels)."""
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Right after one of MILES_KERNEL_NAMES' modules has executed (found as usual), its names get the stand-ins."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in MILES_KERNEL_NAMES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            for attr, fn in MILES_KERNEL_NAMES[name].items():
+                setattr(module, attr, fn)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def install() -> None:
@@ -138,23 +254,20 @@ def install() -> None:
     fht = types.ModuleType("fast_hadamard_transform")
     fht.hadamard_transform = hadamard_transform
     sys.modules["fast_hadamard_transform"] = fht
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
 
 
 def patch_miles_kernels() -> list[str]:
-    """After Miles' model modules are imported: point their tilelang entry points at the references above.
-    Returns the patched `module.attribute` names (the probe reports them)."""
+    """For Miles' modules imported before `install` (none where it ran first): point their tilelang entry points
+    at the stand-ins above. Returns the `module.attribute` names that now hold a stand-in (the probe reports them)."""
     patched = []
-    for module_name, attr, fn in [
-        ("miles_plugins.models.deepseek_v4.ops.kernel.tilelang_sparse_mla_fwd", "sparse_mqa_fwd_interface",
-         sparse_mqa_fwd_interface),
-        ("miles_plugins.models.deepseek_v4.ops.kernel.tilelang_indexer_fwd", "batched_indexer_fwd",
-         batched_indexer_fwd),
-        ("miles_plugins.models.deepseek_v4.ops.v4_indexer", "batched_indexer_fwd", batched_indexer_fwd),
-    ]:
+    for module_name, names in MILES_KERNEL_NAMES.items():
         module = sys.modules.get(module_name)
-        if module is not None and hasattr(module, attr):
-            setattr(module, attr, fn)
-            patched.append(f"{module_name}.{attr}")
+        for attr, fn in names.items():
+            if module is not None and hasattr(module, attr):
+                setattr(module, attr, fn)
+                patched.append(f"{module_name}.{attr}")
     return patched
 
 
