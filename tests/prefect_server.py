@@ -60,7 +60,9 @@ def prefect_server(tmp_path_factory):
     api = f"http://127.0.0.1:{port}/api"
     saved = {k: os.environ.get(k) for k in [*QUIET_ENV, "PREFECT_API_URL", "PREFECT_HOME"]}
     try:
-        wait_for(api + "/health", proc=proc)
+        # 300 s, not 90: under `-n 3` the workers start their servers together, and on a loaded 2-core machine a
+        # server's first start (imports, a fresh database's migrations) took over 90 s (#26).
+        wait_for(api + "/health", timeout=300, proc=proc)
         os.environ.update({**QUIET_ENV, "PREFECT_API_URL": api, "PREFECT_HOME": str(home)})
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
