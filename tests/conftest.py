@@ -7,6 +7,7 @@ real storage formats and non-trivial values.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -66,6 +67,21 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(name, len(rank))
 
     items.sort(key=file_rank)
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_left_on_a_closed_stream():
+    """After each test, drops log handlers whose stream is closed. Prefect configures logging once per process, on
+    the sys.stderr of that moment: when that moment is inside a CliRunner.invoke, its handlers keep the runner's
+    stream, closed when the invoke returns, and every later record in this worker prints `--- Logging error ---`
+    into the next test's stderr (seen under xdist, where file order differs: test_bad_inputs_cli got 706 lines)."""
+    yield
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if getattr(getattr(handler, "stream", None), "closed", False):
+                logger.removeHandler(handler)
 
 
 def write_random_tiny_checkpoint(out_dir: Path, *, seed: int = 0, **save_kwargs) -> Path:
