@@ -249,8 +249,6 @@ FULL_ROLLOUT_IDS = ["0", "1", "2"]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the resume fails in Megatron's load at core/optimizer/distrib_optimizer.py:889 "
-                   "(no Apex/TE: a fresh torch optimizer has no 'step' state); docs/rehearsal.md, stage full status")
 def test_full_stage_runs_miles_loop_kill_and_resume(miles_gen2_tree, sglang_paths, tmp_path):
     """Stage 3, generation 2 (--dsv4-impl megatron): Miles' normal loop against v4rl's engine, a kill after
     rollout 1's save, the resume from --load at rollout 2; the engine equals the actor's export after every
