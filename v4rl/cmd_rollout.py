@@ -31,6 +31,9 @@ def register(app: typer.Typer) -> None:
         enable_return_routed_experts: bool = typer.Option(
             False, help="SGLang's --enable-return-routed-experts: requests with return_routed_experts get "
                         "meta_info.routed_experts (Miles' --use-rollout-routing-replay needs it on)."),
+        return_original_logprob: bool = typer.Option(
+            True, help="RAW sampled-token logprobs (SGLANG_RETURN_ORIGINAL_LOGPROB=1, v4rl's trainer); off: SGLang's "
+                       "default, log_softmax(logits / temperature), what Miles' trainer recomputes."),
     ) -> None:
         """Serve SGLang's native HTTP API (/generate, pause/continue, weight updates) on the embedded engine."""
         # Before torch loads: libgomp's default spin-wait slows a loaded CPU box ~10x (engines/rollout/server.py).
@@ -48,7 +51,8 @@ def register(app: typer.Typer) -> None:
         try:
             config = EngineConfig(dtype=dtype, max_running_requests=max_running_requests,
                                   weight_version=weight_version, profile={"rocm_fnuz": rocm_fnuz},
-                                  enable_return_routed_experts=enable_return_routed_experts)
+                                  enable_return_routed_experts=enable_return_routed_experts,
+                                  return_original_logprob=return_original_logprob)
             engine = RolloutEngine(model, config)
         except (CheckpointError, ValueError, OSError) as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

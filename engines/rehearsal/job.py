@@ -167,8 +167,8 @@ TRAIN_DEVICE_CHANGES: list[tuple[str, object, str]] = [
     ("--use-cpu-initialization", True, "Megatron allocates the model on the CPU (no GPU to initialise on)"),
     ("--no-gradient-accumulation-fusion", True, "the fused wgrad accumulation is a CUDA kernel (TE/apex)"),
     ("--optimizer-cpu-offload", False, "the optimizer already lives on the host: nothing to offload"),
-    ("--use-precision-aware-optimizer", False, "needs TE's FusedAdam (a GPU kernel); Megatron falls back to torch's "
-                                               "AdamW on bf16 params with fp32 main params"),
+    ("--use-precision-aware-optimizer", False, "TE FusedAdam's master weights and low-precision moments; the CPU "
+                                               "stand-in of FusedAdam keeps fp32 moments on Megatron's fp32 main params"),
     ("--overlap-cpu-optimizer-d2h-h2d", False, "goes with --optimizer-cpu-offload"),
 ]
 """The device flags of the stages that train: what Megatron needs to build, load and train Miles' model on a CPU."""

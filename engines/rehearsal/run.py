@@ -205,7 +205,7 @@ def _run_stage(stage: str, req: RehearsalRequest, preset, paths: RehearsalPaths,
     argv = job.argv + impl_args
     subs = job.substitutions + _impl_rows(job.argv, impl_args)
     if stage == "rollout":
-        subs.append(PLACEMENT_ROW)
+        subs += [PLACEMENT_ROW, ENGINE_LOGPROB_ROW]
         subs.append(Substitution(
             "miles/ray/rollout/debug_data.py save_dashboard_columns", "parquet mirror for Miles' dashboard (polars)",
             "skipped (Miles' own no-polars path)", "the polars beside SGLang 0.5.23 lacks its compiled runtime; "
@@ -278,6 +278,10 @@ TRAIN_STANDIN_ROWS = [
                  "bound as Miles imports its kernel modules", "no tilelang on a CPU; Miles' own autograd Functions "
                  "call them (--dsv4-impl miles, generation 1); each backward is the gradient of its forward "
                  "(tests/test_numeric_standins.py gradchecks)"),
+    Substitution("transformer_engine.pytorch.optimizers.FusedAdam", "TE's fused kernel (multi_tensor_adam)",
+                 "probes/standins/.../optimizers.py: the kernel's Adam update in torch, TE's state layout",
+                 "no TE kernel on a CPU; Megatron's torch-AdamW fallback cannot resume (distrib_optimizer.py:889 "
+                 "reads a step torch's AdamW has before its first step), TE's path is the cluster's"),
 ]
 
 
@@ -355,8 +359,17 @@ def _context_length(hf: Path) -> int:
     return int(json.loads((hf / "config.json").read_text())["max_position_embeddings"])
 
 
+ENGINE_LOGPROB_ROW = Substitution(
+    "rollout logprobs (meta_info.output_token_logprobs)", "SGLang's default: log_softmax(logits / T)",
+    "the same: serve-rollout --no-return-original-logprob", "Miles' loss recomputes log_softmax(logits / "
+    "--rollout-temperature); v4rl's engine returns RAW logprobs unless told (its own trainer's convention): at T 0.8 "
+    "that alone made Miles log |Δlogprob| 0.10 on the tiny model (docs/rehearsal.md, the bound)")
+
+
 def _start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "v4rl.cli", "serve-rollout", "--model", str(hf), "--port", str(port)]
+    """`v4rl serve-rollout` answering as Miles' SGLang does on the cluster (ENGINE_LOGPROB_ROW)."""
+    cmd = [sys.executable, "-m", "v4rl.cli", "serve-rollout", "--model", str(hf), "--port", str(port),
+           "--no-return-original-logprob"]
     out = log.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(src.REPO)})

@@ -46,6 +46,12 @@ class EngineConfig:
     enable_return_routed_experts: bool = False
     """SGLang's --enable-return-routed-experts: requests with return_routed_experts get `routed_experts` (the
     experts every token was routed to, engine.py). Off, such requests are served without it, as SGLang does."""
+    return_original_logprob: bool = True
+    """True: each sampled token's logprob is RAW, log_softmax of the unprocessed logits (what v4rl's trainer
+    recomputes; SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1, which v4rl's SGLang launcher sets).
+    False: SGLang's default, log_softmax(logits / temperature) for a sampled row (temperature > 0), what Miles'
+    trainer recomputes (its loss divides the logits by --rollout-temperature); output logprobs and their top-k
+    lists, prompt (input) logprobs stay RAW. `serve-rollout --no-return-original-logprob`."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -16,7 +16,8 @@ stop_token_ids, stop strings, ignore_eos, a per-request seed). Every request dra
 torch.Generator seeded from its seed, so its tokens do not depend on what else is scheduled (up to
 float ties); temperature-only rows sample by inverse CDF with one uniform draw each, all rows in one native
 call (sampling.py `sample_rows`). Logprobs are RAW: log_softmax of the unprocessed logits, what a trainer
-recomputes (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide).
+recomputes (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 they coincide);
+EngineConfig.return_original_logprob False gives SGLang's default instead, log_softmax(logits / temperature).
 
 Routed experts (EngineConfig.enable_return_routed_experts, a request's return_routed_experts): the experts every
 forwarded token was routed to, as the MoE kernel chose them, from its prefill (or the prefix-cache entry it was
@@ -405,12 +406,16 @@ class RolloutEngine(WeightUpdates):
         for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.output_ids.append(tok)
             r.output_logprobs.append(token_logprobs[i])
-            if r.spec.top_logprobs_num:
-                raw = torch.log_softmax(logits[i:i + 1].float(), dim=-1)
-                r.output_top.append(topk_rows(raw, r.spec.top_logprobs_num)[0])
+            temperature = r.spec.sampling.temperature
+            processed = not self.config.return_original_logprob and temperature > 0 and temperature != 1
+            if r.spec.top_logprobs_num or processed:
+                row = logits[i:i + 1].float()
+                lp = torch.log_softmax(row / temperature if processed else row, dim=-1)
+                if r.spec.top_logprobs_num:
+                    r.output_top.append(topk_rows(lp, r.spec.top_logprobs_num)[0])
                 # one tensor for both, as SGLang: a sampled top-k token shows the same logprob in each list
                 # (the sampler's own logprob can differ from this row's in the last float32 bit)
-                r.output_logprobs[-1] = float(raw[0, tok])
+                r.output_logprobs[-1] = float(lp[0, tok])
             reason = self._finish_reason(r, tok)
             if reason is None:
                 keep.append(r)

@@ -261,8 +261,6 @@ FULL_ROLLOUT_IDS = ["0", "1", "2"]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the resume fails in Megatron's load at core/optimizer/distrib_optimizer.py:889 "
-                   "(no Apex/TE: a fresh torch optimizer has no 'step' state); docs/rehearsal.md, stage full status")
 @pytest.mark.parametrize("generation,impl", MODEL_IMPLS)
 def test_full_stage_runs_miles_loop_kill_and_resume(generation, impl, request, sglang_paths, tmp_path):
     """Stage 3, each generation and implementation: Miles' normal loop against v4rl's engine, a kill after

@@ -340,11 +340,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class _NoFusedOptimizers(importlib.abc.MetaPathFinder):
-    """Stage train: TE's and apex's fused optimizers (GPU kernels) are absent, as on a machine without them, so
-    Megatron takes its own fallback (megatron/core/optimizer/__init__.py, distrib_optimizer.py: torch's AdamW /
-    Adam); otherwise the GPU-only stubs would answer with a stub FusedAdam."""
+    """Stages train and full: apex (a second source of fused GPU optimizers) is absent, as on the cluster's ROCm
+    image, so Megatron takes TE's FusedAdam: the TE stand-in's (probes/standins/transformer_engine/pytorch/
+    optimizers.py, its update math in torch), whose save and load path is the cluster's. Megatron's other fallback,
+    torch's AdamW, cannot resume (see that module); otherwise the GPU-only stubs would answer with a stub apex."""
 
-    NAMES = ("transformer_engine.pytorch.optimizers", "apex.optimizers", "apex")
+    NAMES = ("apex.optimizers", "apex")
 
     def find_spec(self, name, path, target=None):
         if name in self.NAMES:
