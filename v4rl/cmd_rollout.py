@@ -11,6 +11,10 @@ from pathlib import Path
 
 import typer
 
+from rl.field_docs import field_default_and_doc
+
+_ORIGINAL_LOGPROB = field_default_and_doc("engines.rollout.api", "EngineConfig", "return_original_logprob")
+
 
 def register(app: typer.Typer) -> None:
     @app.command("serve-rollout")
@@ -31,9 +35,7 @@ def register(app: typer.Typer) -> None:
         enable_return_routed_experts: bool = typer.Option(
             False, help="SGLang's --enable-return-routed-experts: requests with return_routed_experts get "
                         "meta_info.routed_experts (Miles' --use-rollout-routing-replay needs it on)."),
-        return_original_logprob: bool = typer.Option(
-            True, help="RAW sampled-token logprobs (SGLANG_RETURN_ORIGINAL_LOGPROB=1, v4rl's trainer); off: SGLang's "
-                       "default, log_softmax(logits / temperature), what Miles' trainer recomputes."),
+        return_original_logprob: bool = typer.Option(_ORIGINAL_LOGPROB[0], help=_ORIGINAL_LOGPROB[1]),
     ) -> None:
         """Serve SGLang's native HTTP API (/generate, pause/continue, weight updates) on the embedded engine."""
         # Before torch loads: libgomp's default spin-wait slows a loaded CPU box ~10x (engines/rollout/server.py).

@@ -71,8 +71,9 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
         except ValueError as exc:
             raise r.RehearsalError(f"the rehearsal job: {exc}") from None
         argv = job.argv + impl_args
-        subs = job.substitutions + r._impl_rows(job.argv, impl_args) + [EXPERTS_ROW, r.PLACEMENT_ROW, r.ENGINE_LOGPROB_ROW, BUCKET_ROW, BROADCAST_ROW, GLOO_ROW, FP8_ROW,
-                                                                        *r.TRAIN_STANDIN_ROWS]
+        subs = job.substitutions + r._impl_rows(job.argv, impl_args) + [
+            EXPERTS_ROW, r.PLACEMENT_ROW, r.ENGINE_LOGPROB_ROW, BUCKET_ROW, BROADCAST_ROW, GLOO_ROW, FP8_ROW,
+            *r.TRAIN_STANDIN_ROWS]
         report.substitutions += [s for s in subs if s not in report.substitutions]
         broadcasts = work / "broadcasts" / label
         env = {**r._stage_env("full", job.env, miles, megatron, ray_port),
