@@ -143,6 +143,11 @@ def markdown(stage: str, report: dict | None, failure: str | None) -> str:
                   "|---" * (len(shown) + 1) + "|"]
         parts += [f"| {rollout} | " + " | ".join(_number(values.get(m)) for m in shown) + " |"
                   for rollout, values in sorted(report["rollouts"].items(), key=lambda kv: int(kv[0]))]
+    bound = report.get("logprob_bound")  # stages train and full: the bf16 noise the |Δlogprob| bound comes from
+    if bound:
+        parts += ["", f"Bound on `train/train_rollout_logprob_abs_diff`: {bound['factor']:g} x the bf16 noise "
+                      f"{_number(bound['bf16_noise'])} measured on this model = {_number(bound['bound'])} "
+                      f"({bound['tokens']} tokens at temperature {bound['temperature']:g})."]
     if report["evals"]:
         parts += ["", "## Miles' evaluations", "", "In Miles' log order, under the rollout id Miles logs them with.", "",
                   "| rollout | dataset | pass@k |", "|---|---|---|"]

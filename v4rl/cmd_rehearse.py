@@ -34,7 +34,8 @@ def register(app: typer.Typer) -> None:
         megatron_dir: Path = typer.Option(None, envvar="V4RL_MEGATRON_DIR",
                                           help="Megatron-LM checkout that fits that Miles (default: its pinned pair)."),
         json_out: Path = typer.Option(None, "--json", help="Write the report (stages, rollouts, evals, "
-                                                           "substitutions; stage full: weight_checks, "
+                                                           "substitutions; stages train and full: "
+                                                           "logprob_bound; stage full: weight_checks, "
                                                            "resumed_from) as JSON here."),
         work_dir: Path = typer.Option(None, help="Where the checkpoint, data, logs go (default: a new temp dir)."),
         engine_port: int = typer.Option(0, help="Port of v4rl's engine on 127.0.0.1 (0: a free one)."),
@@ -59,6 +60,10 @@ def register(app: typer.Typer) -> None:
         typer.echo(substitution_table(report.substitutions))
         for line in metrics_summary(MilesMetrics(report.rollouts, report.evals)):
             typer.echo(line)
+        if report.logprob_bound:
+            b = report.logprob_bound
+            typer.echo(f"bound on train/train_rollout_logprob_abs_diff: {b['factor']:g} x bf16 noise "
+                       f"{b['bf16_noise']:.4f} = {b['bound']:.4f}")
         if json_out:
             json_out.write_text(json.dumps(report.to_json(), indent=1) + "\n")
         failed = [(name, s) for name, s in report.stages.items() if not s["ok"]]

@@ -30,6 +30,7 @@ from engines.upstream.stubs import GPU_ONLY_ROOTS
 from engines.rehearsal.job import DEVICE, ROLLOUT_SIZES, RehearsalPaths, Substitution, rehearsal_job
 from engines.rehearsal.metrics import read_metrics
 from engines.rehearsal.ray_session import RAY_ENV, RaySession
+from engines.rehearsal.logprob_noise import LogprobNoise, logprob_diff_problem, measure_logprob_noise
 from engines.rehearsal.tiny_model import make_tiny_checkpoint
 from engines.train.miles.generation import MilesGenerationError, detect_generation, dsv4_impl_args
 
@@ -77,6 +78,9 @@ class RehearsalReport:
     """Stage full: one per broadcast, {"run", "version", "tensors_sent", "ok", "first_differing"} (weight_check.py)."""
     resumed_from: dict | None = None
     """Stage full: {"latest_checkpointed_iteration", "rollout_id", "export_equals_last_before_kill", ...}."""
+    logprob_bound: dict | None = None
+    """Stages train and full: the bf16 noise measured on the tiny model and the bound on Miles' |Δlogprob| derived
+    from it ({"bf16_noise", "raw_vs_processed", "tokens", "temperature", "factor", "bound"}, logprob_noise.py)."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -112,6 +116,12 @@ def free_port(port: int, what: str) -> int:
         return s.getsockname()[1]
 
 
+def rehearsal_prompts() -> list[str]:
+    """The prompts of the rehearsal's first rollout (--rollout-batch-size of them, Miles' prompt order)."""
+    rows = TRAIN_DATA.read_text().splitlines()[:ROLLOUT_SIZES["rollout_batch_size"]]
+    return [json.loads(row)["prompt"] for row in rows]
+
+
 def write_data(work: Path) -> tuple[Path, Path]:
     """Miles' data format (one JSON object a line, `prompt` and `label`): 16 train and 4 eval prompts."""
     lines = TRAIN_DATA.read_text().splitlines()
@@ -143,12 +153,13 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=gen))
     stages = [req.stage] if req.stage != "train" else (["train"] if given_data else ["rollout", "train"])
     paths = RehearsalPaths(hf, train, evals, work, rollout_data=given_data)
+    noise = _measure_noise(hf, preset, report, log) if req.stage != "rollout" else None
     if req.stage == "full":  # Miles' broadcast sends FP8 experts: the engine serves FP8 experts (full.py)
         hf_full = work / "hf-fp8-experts"
         if not (hf_full / "config.json").is_file():
             make_tiny_checkpoint(hf_full, expert_dtype="fp8")
         paths = RehearsalPaths(hf_full, train, evals, work)
-        return _full(req, preset, paths, miles, megatron, impl_args, report, log)
+        return _full(req, preset, paths, miles, megatron, impl_args, report, noise, log)
     for stage in stages:
         if stage == "train" and not report.stages.get("rollout", {"ok": True})["ok"]:
             report.stages["train"] = {"ok": False, "seconds": 0.0, "error": "not run: stage rollout failed"}
@@ -162,12 +173,24 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         if error is None and stage == "rollout" and not metrics.rollouts:
             error = f"Miles exited without logging a rollout (see {log_path})"
         if error is None and stage == "train":
-            error = _missing_train_metrics(metrics, ROLLOUT_SIZES["num_rollout"], log_path)
+            error = _missing_train_metrics(metrics, ROLLOUT_SIZES["num_rollout"], log_path) or \
+                logprob_diff_problem(metrics.rollouts, noise, str(log_path))
         report.stages[stage] = {"ok": error is None, "seconds": seconds, "error": error}
     return report
 
 
-def _full(req, preset, paths, miles, megatron, impl_args, report, log) -> RehearsalReport:
+def _measure_noise(hf: Path, preset, report: RehearsalReport, log) -> LogprobNoise:
+    """The bf16 noise of the tiny model at the job's temperature, and the |Δlogprob| bound from it (a few s)."""
+    noise = measure_logprob_noise(hf, rehearsal_prompts(), temperature=preset.data.temperature,
+                                  samples_per_prompt=ROLLOUT_SIZES["n_samples_per_prompt"],
+                                  max_new_tokens=ROLLOUT_SIZES["rollout_max_response_len"])
+    report.logprob_bound = noise.to_json()
+    log(f"logprob bound: {noise.factor:g} x bf16 noise {noise.bf16_noise:.4f} = {noise.bound:.4f} over "
+        f"{noise.tokens} tokens at T {noise.temperature:g} (raw vs processed: {noise.raw_vs_processed:.4f})")
+    return noise
+
+
+def _full(req, preset, paths, miles, megatron, impl_args, report, noise, log) -> RehearsalReport:
     from engines.rehearsal.full import run_full
 
     error, seconds, extras = run_full(req, preset, paths, miles, megatron, impl_args, report, log)
@@ -177,6 +200,8 @@ def _full(req, preset, paths, miles, megatron, impl_args, report, log) -> Rehear
             report.rollouts.setdefault(rollout, {}).update(values)
         report.evals += metrics.evals
     report.weight_checks, report.resumed_from = extras["weight_checks"], extras["resumed_from"]
+    if error is None:
+        error = logprob_diff_problem(report.rollouts, noise, " and ".join(map(str, extras["logs"])))
     report.stages["full"] = {"ok": error is None, "seconds": seconds, "error": error}
     return report
 
