@@ -145,9 +145,11 @@ def markdown(stage: str, report: dict | None, failure: str | None) -> str:
                   for rollout, values in sorted(report["rollouts"].items(), key=lambda kv: int(kv[0]))]
     bound = report.get("logprob_bound")  # stages train and full: the bf16 noise the |Δlogprob| bound comes from
     if bound:
-        parts += ["", f"Bound on `train/train_rollout_logprob_abs_diff`: {bound['factor']:g} x the bf16 noise "
-                      f"{_number(bound['bf16_noise'])} measured on this model = {_number(bound['bound'])} "
-                      f"({bound['tokens']} tokens at temperature {bound['temperature']:g})."]
+        parts += ["", f"Bounds on `train/train_rollout_logprob_abs_diff`, from noise measured on this model "
+                      f"({bound['tokens']} tokens at temperature {bound['temperature']:g}): {bound['factor']:g} x "
+                      f"bf16 {_number(bound['bf16_noise'])} = {_number(bound['bound'])} (stage train); "
+                      f"{bound['factor']:g} x (bf16 + FP8 re-quantization {_number(bound['fp8_requant_noise'])}) = "
+                      f"{_number(bound['broadcast_bound'])} (stage full)."]
     if report["evals"]:
         parts += ["", "## Miles' evaluations", "", "In Miles' log order, under the rollout id Miles logs them with.", "",
                   "| rollout | dataset | pass@k |", "|---|---|---|"]

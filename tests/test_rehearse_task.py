@@ -142,8 +142,9 @@ def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
                              evals=[{"rollout": 0, "datasets": {"aime": {"reward": 0.0, "pass@1": 0.0,
                                                                          "pass@4": 0.5}}}],
                              substitutions=[Substitution("--distributed-backend", "nccl", "gloo", "no NCCL on a CPU")],
-                             logprob_bound={"bf16_noise": 0.005, "raw_vs_processed": 0.11, "tokens": 346,
-                                            "temperature": 0.8, "factor": 3.0, "bound": 0.015})
+                             logprob_bound={"bf16_noise": 0.005, "fp8_requant_noise": 0.023, "raw_vs_processed": 0.11,
+                                            "tokens": 346, "temperature": 0.8, "factor": 3.0, "bound": 0.015,
+                                            "broadcast_bound": 0.084})
     data = {**report.to_json(), "resumed_from": {"latest_checkpointed_iteration": 0},  # what stage full adds
             "weight_checks": [{"run": "run 1", "version": 1, "tensors_sent": 12, "ok": True, "first_differing": None},
                               {"run": "run 1", "version": 2, "tensors_sent": 12, "ok": False,
@@ -158,8 +159,9 @@ def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
     assert "| --distributed-backend | nccl | gloo | no NCCL on a CPU |" in lines
     assert "| run 1 | 1 | 12 | yes |  |" in lines and "| run 1 | 2 | 12 | no | layers.0.ffn.gate.tid2eid |" in lines
     assert "Resumed from: latest_checkpointed_iteration 0" in lines
-    assert "Bound on `train/train_rollout_logprob_abs_diff`: 3 x the bf16 noise 0.005 measured on this model = " \
-           "0.015 (346 tokens at temperature 0.8)." in lines
+    assert "Bounds on `train/train_rollout_logprob_abs_diff`, from noise measured on this model (346 tokens at " \
+           "temperature 0.8): 3 x bf16 0.005 = 0.015 (stage train); 3 x (bf16 + FP8 re-quantization 0.023) = 0.084 " \
+           "(stage full)." in lines
 
 
 def _vendored_sources_or_skip():

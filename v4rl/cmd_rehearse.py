@@ -62,8 +62,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(line)
         if report.logprob_bound:
             b = report.logprob_bound
-            typer.echo(f"bound on train/train_rollout_logprob_abs_diff: {b['factor']:g} x bf16 noise "
-                       f"{b['bf16_noise']:.4f} = {b['bound']:.4f}")
+            typer.echo(f"bounds on train/train_rollout_logprob_abs_diff: {b['factor']:g} x bf16 noise "
+                       f"{b['bf16_noise']:.4f} = {b['bound']:.4f} (stage train); {b['factor']:g} x (bf16 + FP8 "
+                       f"re-quantization {b['fp8_requant_noise']:.4f}) = {b['broadcast_bound']:.4f} (stage full)")
         if json_out:
             json_out.write_text(json.dumps(report.to_json(), indent=1) + "\n")
         failed = [(name, s) for name, s in report.stages.items() if not s["ok"]]

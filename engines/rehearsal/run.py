@@ -79,8 +79,9 @@ class RehearsalReport:
     resumed_from: dict | None = None
     """Stage full: {"latest_checkpointed_iteration", "rollout_id", "export_equals_last_before_kill", ...}."""
     logprob_bound: dict | None = None
-    """Stages train and full: the bf16 noise measured on the tiny model and the bound on Miles' |Δlogprob| derived
-    from it ({"bf16_noise", "raw_vs_processed", "tokens", "temperature", "factor", "bound"}, logprob_noise.py)."""
+    """Stages train and full: the noise measured on the tiny model and the bounds on Miles' |Δlogprob| derived from
+    it ({"bf16_noise", "fp8_requant_noise", "raw_vs_processed", "tokens", "temperature", "factor", "bound",
+    "broadcast_bound"}, logprob_noise.py)."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -153,12 +154,13 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     preset = dataclasses.replace(preset, miles=dataclasses.replace(preset.miles, generation=gen))
     stages = [req.stage] if req.stage != "train" else (["train"] if given_data else ["rollout", "train"])
     paths = RehearsalPaths(hf, train, evals, work, rollout_data=given_data)
-    noise = _measure_noise(hf, preset, report, log) if req.stage != "rollout" else None
     if req.stage == "full":  # Miles' broadcast sends FP8 experts: the engine serves FP8 experts (full.py)
         hf_full = work / "hf-fp8-experts"
         if not (hf_full / "config.json").is_file():
             make_tiny_checkpoint(hf_full, expert_dtype="fp8")
         paths = RehearsalPaths(hf_full, train, evals, work)
+    noise = _measure_noise(paths.hf_checkpoint, preset, report, log) if req.stage != "rollout" else None
+    if req.stage == "full":
         return _full(req, preset, paths, miles, megatron, impl_args, report, noise, log)
     for stage in stages:
         if stage == "train" and not report.stages.get("rollout", {"ok": True})["ok"]:
@@ -185,8 +187,9 @@ def _measure_noise(hf: Path, preset, report: RehearsalReport, log) -> LogprobNoi
                                   samples_per_prompt=ROLLOUT_SIZES["n_samples_per_prompt"],
                                   max_new_tokens=ROLLOUT_SIZES["rollout_max_response_len"])
     report.logprob_bound = noise.to_json()
-    log(f"logprob bound: {noise.factor:g} x bf16 noise {noise.bf16_noise:.4f} = {noise.bound:.4f} over "
-        f"{noise.tokens} tokens at T {noise.temperature:g} (raw vs processed: {noise.raw_vs_processed:.4f})")
+    log(f"logprob noise over {noise.tokens} tokens at T {noise.temperature:g}: bf16 {noise.bf16_noise:.4f}, FP8 "
+        f"re-quantization {noise.fp8_requant_noise:.4f} (raw vs processed {noise.raw_vs_processed:.4f}); bounds "
+        f"{noise.bound:.4f} (stage train), {noise.broadcast_bound:.4f} (after a broadcast)")
     return noise
 
 
@@ -201,7 +204,7 @@ def _full(req, preset, paths, miles, megatron, impl_args, report, noise, log) ->
         report.evals += metrics.evals
     report.weight_checks, report.resumed_from = extras["weight_checks"], extras["resumed_from"]
     if error is None:
-        error = logprob_diff_problem(report.rollouts, noise, " and ".join(map(str, extras["logs"])))
+        error = logprob_diff_problem(report.rollouts, noise, " and ".join(map(str, extras["logs"])), broadcast=True)
     report.stages["full"] = {"ok": error is None, "seconds": seconds, "error": error}
     return report
 

@@ -38,6 +38,7 @@ from checkpoints.hf import (
 )
 from engines.model import DeepseekV4, ModelConfig
 from engines.model.params import ParamSpec, native_param_specs
+from checkpoints.names import native_to_sglang_name
 from checkpoints.quant import dequantize_fp8_blockwise, fp8_to_fnuz, tensor_checksum
 
 
@@ -144,7 +145,8 @@ def _check_one(name: str, t: RawTensor, specs: Mapping[str, ParamSpec], held: Ma
         if held is not None:
             if not bool(t.any()):
                 raise WeightUpdateError(
-                    f"{source}: {name} is all zeros. tid2eid is a frozen buffer (not a parameter), so an exporter "
+                    f"{source}: {name} (SGLang's {native_to_sglang_name(name)}) is all zeros. tid2eid is a frozen "
+                    "buffer (not a parameter), so an exporter "
                     "that only walks parameters sends zeros (miles#2706); refusing the update. Export buffers too, "
                     "or leave tid2eid out of the update")
             if not torch.equal(t, held[name]):
