@@ -2,8 +2,8 @@
 accepts every job the pipeline derives from v4rl's training job (engines/train/miles/jobs.py) for the seed's
 layout, and resolves what each one is for: the run's one training job (first submission and a
 resubmission that skips the evaluation already recorded), Miles' eval-only run on --ref-load and on a
-saved iteration, and the alignment gate's train-only debug run. About 3 minutes on 2 cores (one Miles import
-per job).
+saved iteration, and the alignment gate's train-only debug run. All five argvs go through one probe process
+(preflight.check_commands: one Miles import, each argv parsed afresh and answered on its own).
 
     .venv/bin/python -m pytest tests/conformance/test_miles_derived_jobs.py -q
 """
@@ -19,7 +19,7 @@ def test_every_derived_job_passes_miles_parse_args(miles_tree, megatron_tree, sg
     from engines.profiles.site import Site
     from engines.train.miles import MilesJob, build_command
     from engines.train.miles.jobs import align_argv, eval_only_argv, run_argv
-    from engines.train.miles.preflight import check_command
+    from engines.train.miles.preflight import check_commands
 
     profile = get_profile(SEED_RUN.profile)
     cluster = layout_input(SEED_RUN, profile=profile).cluster
@@ -46,10 +46,11 @@ def test_every_derived_job_passes_miles_parse_args(miles_tree, megatron_tree, sg
                    "use_rollout_routing_replay": False,
                    "load_debug_rollout_data": f"{tmp_path}/rollout_data/{{rollout_id}}.pt"}),
     }
+    checks = check_commands([dataclasses.replace(command, argv=argv) for argv, _ in jobs.values()], SEED_RUN, job,
+                            cluster=cluster, profile=profile)
+    assert len(checks) == len(jobs)
     failures = []
-    for name, (argv, want) in jobs.items():
-        check = check_command(dataclasses.replace(command, argv=argv), SEED_RUN, job, cluster=cluster,
-                              profile=profile)
+    for (name, (_, want)), check in zip(jobs.items(), checks):
         if not check.accepted:
             failures.append(f"{name}: {check.summary()}")
             continue

@@ -10,7 +10,9 @@ checks (Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1). Every accep
 Megatron's own `core_transformer_config_from_args` (TransformerConfig's checks). Both Miles DeepSeek-V4 generations:
 31f1ca961 + 2e64d788b with the stage sizes, e9e19b223 + 6184c094a with the pipeline layout string its config build
 requires (the seed's layout in the default run; the 32-GPU layout, the megatron impl and the refusal of the old
-stage flags are `slow`). About 40 s per parse on 2 cores.
+stage flags are `slow`). About 40 s per probe process on 2 cores; the first generation's jobs of the default run
+(both layouts, DP attention, and the runtime-env check) are checked by one module fixture (preflight.check_requests:
+one probe process per runtime env, each argv parsed afresh and answered on its own), each test asserting on its own.
 
     .venv/bin/python -m pytest tests/conformance/test_miles_parse_args.py -q
 """
@@ -24,7 +26,7 @@ import pytest
 from engines.presets.runs import MILES_32GPU_RUN, SEED_RUN
 from engines.profiles.site import Site
 from engines.train.miles import MilesJob
-from engines.train.miles.preflight import check_job
+from engines.train.miles.preflight import check_job, check_requests, job_request
 
 SITE = Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="ens50f0", ib_hca="rdma0")
 
@@ -34,9 +36,24 @@ def _job(tmp_path, **kw) -> MilesJob:
                     save_dir=str(tmp_path / "save"), data_dir="/cluster/datasets", **kw)
 
 
+@pytest.fixture(scope="module")
+def first_generation_checks(tmp_path_factory, miles_tree, megatron_tree, sglang_paths):
+    """Miles 31f1ca961's checks of the default run's first-generation jobs, by name, from one check_requests."""
+    from engines.train.miles.launch import apply_overrides
+
+    tmp = tmp_path_factory.mktemp("first-generation")
+    dp_attention, _ = apply_overrides(MILES_32GPU_RUN, {"sglang_dp": 2})
+    jobs = {SEED_RUN.name: (SEED_RUN, _job(tmp)), MILES_32GPU_RUN.name: (MILES_32GPU_RUN, _job(tmp)),
+            "dp-attention": (dp_attention, _job(tmp)),
+            "max-connections-8": (MILES_32GPU_RUN, _job(tmp, extra_env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}))}
+    checks = check_requests([job_request(preset, job, site=SITE) for preset, job in jobs.values()],
+                            miles_dir=miles_tree, megatron_dir=megatron_tree)
+    return dict(zip(jobs, checks))
+
+
 @pytest.mark.parametrize("preset", [SEED_RUN, MILES_32GPU_RUN], ids=lambda p: p.name)
-def test_miles_accepts_the_job_and_resolves_it_as_meant(tmp_path, miles_tree, megatron_tree, sglang_paths, preset):
-    check = check_job(preset, _job(tmp_path), site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
+def test_miles_accepts_the_job_and_resolves_it_as_meant(first_generation_checks, preset):
+    check = first_generation_checks[preset.name]
     assert check.accepted, check.error
     assert check.ok, check.summary()
     r, p = check.resolved, preset.parallel
@@ -110,9 +127,8 @@ def test_miles_of_another_version_names_the_flag_it_rejects(tmp_path, miles_seed
     assert "rejected flag --sglang-tp-size" in check.summary() and "31f1ca961" in check.summary()
 
 
-def test_the_runtime_env_is_part_of_the_check(tmp_path, miles_tree, megatron_tree, sglang_paths):
-    job = _job(tmp_path, extra_env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
-    check = check_job(MILES_32GPU_RUN, job, site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
+def test_the_runtime_env_is_part_of_the_check(first_generation_checks):
+    check = first_generation_checks["max-connections-8"]  # MILES_32GPU_RUN with CUDA_DEVICE_MAX_CONNECTIONS=8
     assert not check.accepted and "CUDA_DEVICE_MAX_CONNECTIONS" in check.error
 
 
@@ -145,12 +161,9 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
     assert f"{data}/aime-2024/aime-2024.jsonl does not exist" in str(err.value) and "prompt_data" not in str(err.value)
 
 
-def test_dp_attention_reaches_sglang_as_attn_dp_size(tmp_path, miles_tree, megatron_tree, sglang_paths):
+def test_dp_attention_reaches_sglang_as_attn_dp_size(first_generation_checks):
     """RolloutSpec.engine_dp is DP attention inside one engine (SGLang 0.5.23 --attn-dp-size), never SGLang's
     --dp-size replicas, which its weight-sync routes refuse (conformance B18)."""
-    from engines.train.miles.launch import apply_overrides
-
-    preset, _ = apply_overrides(MILES_32GPU_RUN, {"sglang_dp": 2})
-    check = check_job(preset, _job(tmp_path), site=SITE, miles_dir=miles_tree, megatron_dir=megatron_tree)
+    check = first_generation_checks["dp-attention"]  # MILES_32GPU_RUN with sglang_dp 2
     assert check.ok, check.summary()
     assert (check.resolved["sglang_dp_size"], check.resolved["sglang_attn_dp_size"]) == (1, 2)

@@ -13,6 +13,10 @@ precision) and checks the job's local inputs (config.json, dataset files).
 
     report = check_job(SEED_RUN, job, site=site)          # ~40 s on 2 cores (Miles imports torch + Megatron)
     report.ok, report.rejected, report.mismatches
+    reports = check_commands([run, eval_only], SEED_RUN, job, cluster=cluster, profile=profile)  # one import
+
+Several argvs of one Miles generation, accelerator and runtime env are parsed in one probe process
+(check_requests), each afresh and answered on its own; check_command and check_job are the one-argv case.
 
 Nothing here is imported by the library at startup: `v4rl plan` without `--miles-dir` never runs it.
 """
@@ -23,7 +27,7 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from engines.layout import ClusterSpec
 from engines.profiles import HardwareProfile, get_profile
@@ -180,60 +184,123 @@ def local_problems(preset: RunPreset, job: MilesJob, *, check_data: bool) -> lis
             "nodes can read it" for what, path in files if not Path(path).is_file()]
 
 
-def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cluster: ClusterSpec,
-                  profile: HardwareProfile, miles_dir: str | Path | None = None,
-                  megatron_dir: str | Path | None = None, check_data: bool = False,
-                  timeout: float = 900.0) -> MilesCheck:
-    """Run Miles' parse_args on `command` (built for `preset`/`job`) and compare; see the module docstring.
+@dataclass(frozen=True)
+class CheckRequest:
+    """One built Miles job to check: its command and what it was built from (what Miles must resolve it to)."""
+
+    command: MilesCommand
+    preset: RunPreset
+    job: MilesJob
+    cluster: ClusterSpec
+    profile: HardwareProfile
+
+
+def check_requests(requests: Sequence[CheckRequest], *, miles_dir: str | Path | None = None,
+                   megatron_dir: str | Path | None = None, check_data: bool = False,
+                   timeout: float = 900.0) -> list[MilesCheck]:
+    """Run Miles' parse_args on each request's command and compare (see the module docstring); one MilesCheck per
+    request, in order. The requests of one Miles generation, accelerator and runtime env share one probe process
+    (Miles + Megatron imported once, ~20 s, then a few seconds per argv), each argv parsed afresh and answered
+    on its own; a probe process that dies mid-way answers the argv it was on with its error, and the argvs after
+    it go to a fresh process. `timeout` bounds each probe process.
 
     Raises engines.upstream.sources.EngineSourceMissing when Miles, Megatron-LM or SGLang cannot be found.
     """
-    from engines.upstream.sources import MILES_GENERATIONS, engine_python, megatron_tree, miles_tree, sglang_paths
-    from engines.upstream.stubs import GPU_ONLY_ROOTS
+    from engines.upstream.sources import MILES_GENERATIONS, megatron_tree, miles_tree, sglang_paths
     from engines.train.miles.generation import detect_generation
 
-    pins = MILES_GENERATIONS.get(preset.miles.generation, MILES_GENERATIONS[1])  # the pinned trees of its generation
-    miles = miles_tree(miles_dir, pins[0])
-    megatron = megatron_tree(megatron_dir, pins[1])
-    generation = detect_generation(miles)
-    if generation.generation != preset.miles.generation:  # the argv cannot fit: say so before a 40 s parse
-        mismatch = (f"the job is built for Miles' DeepSeek-V4 generation {preset.miles.generation}, but {miles} is "
-                    f"{generation.label} ({generation.evidence}); set miles_generation {generation.generation} "
-                    "(`v4rl plan --miles-dir` and the flow's miles_check_dir detect it), and convert with the same "
-                    "--miles-dir")
-        return MilesCheck(accepted=False, rejected=[], error=mismatch, miles_dir=str(miles),
-                          megatron_dir=str(megatron), generation=generation.generation)
-    paths = [megatron, miles, *sglang_paths()]
-    if profile.name not in DEVICES:
-        raise ValueError(f"profile {profile.name!r} has no accelerator description for Miles' parser; known: "
-                         f"{', '.join(DEVICES)} (add it to engines/train/miles/preflight.py DEVICES)")
-    device = DEVICES[profile.name]
-    env = {k: v for k, v in command.env.items() if k != "PYTHONPATH"}  # the cluster's paths mean nothing here
-    with tempfile.TemporaryDirectory(prefix="v4rl-miles-preflight-") as tmp:
-        argv = _local_hf_checkpoint(command.argv, preset, job, Path(tmp))
-        request = Path(tmp) / "request.json"
-        request.write_text(json.dumps({"argv": argv, "device": device, "build_config": True}))
-        code = f"import runpy, sys; sys.argv[0] = {str(PROBE)!r}; runpy.run_path({str(PROBE)!r}, run_name='__main__')"
-        done = engine_python(code, paths, args=[str(request)], stub_roots=(*GPU_ONLY_ROOTS, *MILES_STUB_ROOTS),
-                             env=env, cwd=tmp, timeout=timeout, check=False)
-    answer = _answer(done)
-    check = MilesCheck(accepted=answer["accepted"], rejected=answer["rejected"], error=answer["error"],
-                       resolved=answer.get("resolved") or {}, stubbed=answer.get("stubbed", []),
-                       miles_dir=str(miles), megatron_dir=str(megatron), stage=answer.get("stage", ""),
-                       generation=generation.generation)
-    if check.accepted:
-        check.mismatches = compare_resolved(expected_values(preset, job, cluster, command), check.resolved)
-    check.problems = local_problems(preset, job, check_data=check_data)
-    return check
+    checks: list[MilesCheck | None] = [None] * len(requests)
+    trees: dict[int, tuple[Path, Path, Any]] = {}
+    groups: dict[tuple[int, str, str], list[int]] = {}
+    for i, r in enumerate(requests):
+        wanted = r.preset.miles.generation
+        if wanted not in trees:
+            pins = MILES_GENERATIONS.get(wanted, MILES_GENERATIONS[1])  # the pinned trees of its generation
+            miles = miles_tree(miles_dir, pins[0])
+            trees[wanted] = (miles, megatron_tree(megatron_dir, pins[1]), detect_generation(miles))
+        miles, megatron, generation = trees[wanted]
+        if generation.generation != wanted:  # the argv cannot fit: say so before a 40 s parse
+            mismatch = (f"the job is built for Miles' DeepSeek-V4 generation {wanted}, but {miles} is "
+                        f"{generation.label} ({generation.evidence}); set miles_generation {generation.generation} "
+                        "(`v4rl plan --miles-dir` and the flow's miles_check_dir detect it), and convert with the "
+                        "same --miles-dir")
+            checks[i] = MilesCheck(accepted=False, rejected=[], error=mismatch, miles_dir=str(miles),
+                                   megatron_dir=str(megatron), generation=generation.generation)
+            continue
+        env = {k: v for k, v in r.command.env.items() if k != "PYTHONPATH"}  # the cluster's paths mean nothing here
+        key = (wanted, json.dumps(_device(r.profile), sort_keys=True), json.dumps(env, sort_keys=True))
+        groups.setdefault(key, []).append(i)
+    for (wanted, device, env), members in groups.items():
+        miles, megatron, generation = trees[wanted]
+        answers = _probe([requests[i] for i in members], [megatron, miles, *sglang_paths()], json.loads(device),
+                         json.loads(env), timeout)
+        for i, answer in zip(members, answers):
+            r = requests[i]
+            check = MilesCheck(accepted=answer["accepted"], rejected=answer["rejected"], error=answer["error"],
+                               resolved=answer.get("resolved") or {}, stubbed=answer.get("stubbed", []),
+                               miles_dir=str(miles), megatron_dir=str(megatron), stage=answer.get("stage", ""),
+                               generation=generation.generation)
+            if check.accepted:
+                check.mismatches = compare_resolved(expected_values(r.preset, r.job, r.cluster, r.command),
+                                                    check.resolved)
+            check.problems = local_problems(r.preset, r.job, check_data=check_data)
+            checks[i] = check
+    return [c for c in checks if c is not None]
 
 
-def check_job(preset: RunPreset, job: MilesJob, *, site: Site | None = None, cluster: ClusterSpec | None = None,
-              **kwargs: Any) -> MilesCheck:
-    """Build the job exactly as it would be submitted and check it (kwargs: check_command's)."""
+def check_commands(commands: Sequence[MilesCommand], preset: RunPreset, job: MilesJob, *, cluster: ClusterSpec,
+                   profile: HardwareProfile, **options: Any) -> list[MilesCheck]:
+    """check_requests on commands built for one preset and job (the jobs engines/train/miles/jobs.py derives from
+    one training job); options: check_requests'."""
+    return check_requests([CheckRequest(c, preset, job, cluster, profile) for c in commands], **options)
+
+
+def check_command(command: MilesCommand, preset: RunPreset, job: MilesJob, *, cluster: ClusterSpec,
+                  profile: HardwareProfile, **options: Any) -> MilesCheck:
+    """check_requests on one command (options: check_requests')."""
+    return check_requests([CheckRequest(command, preset, job, cluster, profile)], **options)[0]
+
+
+def job_request(preset: RunPreset, job: MilesJob, *, site: Site | None = None,
+                cluster: ClusterSpec | None = None) -> CheckRequest:
+    """The job built exactly as it would be submitted, as a CheckRequest."""
     profile = get_profile(preset.profile)
     cluster = cluster or layout_input(preset, profile=profile).cluster
     command = build_command(preset, job, site=site, cluster=cluster, profile=profile)
-    return check_command(command, preset, job, cluster=cluster, profile=profile, **kwargs)
+    return CheckRequest(command, preset, job, cluster, profile)
+
+
+def check_job(preset: RunPreset, job: MilesJob, *, site: Site | None = None, cluster: ClusterSpec | None = None,
+              **options: Any) -> MilesCheck:
+    """Build the job exactly as it would be submitted and check it (options: check_requests')."""
+    return check_requests([job_request(preset, job, site=site, cluster=cluster)], **options)[0]
+
+
+def _device(profile: HardwareProfile) -> dict[str, Any]:
+    if profile.name not in DEVICES:
+        raise ValueError(f"profile {profile.name!r} has no accelerator description for Miles' parser; known: "
+                         f"{', '.join(DEVICES)} (add it to engines/train/miles/preflight.py DEVICES)")
+    return DEVICES[profile.name]
+
+
+def _probe(requests: Sequence[CheckRequest], paths: list[Path], device: dict[str, Any], env: dict[str, str],
+           timeout: float) -> list[dict[str, Any]]:
+    """The probe's answer for each request's argv, from as few processes as it takes (one unless one dies)."""
+    from engines.upstream.sources import engine_python
+    from engines.upstream.stubs import GPU_ONLY_ROOTS
+
+    answers: list[dict[str, Any]] = []
+    code = f"import runpy, sys; sys.argv[0] = {str(PROBE)!r}; runpy.run_path({str(PROBE)!r}, run_name='__main__')"
+    with tempfile.TemporaryDirectory(prefix="v4rl-miles-preflight-") as tmp:
+        argvs = [_local_hf_checkpoint(r.command.argv, r.preset, r.job, Path(tmp) / f"argv{i}")
+                 for i, r in enumerate(requests)]
+        while len(answers) < len(argvs):  # each round answers at least the argv it starts with
+            request = Path(tmp) / f"request{len(answers)}.json"
+            request.write_text(json.dumps({"argvs": argvs[len(answers):], "device": device, "build_config": True}))
+            done = engine_python(code, paths, args=[str(request)], stub_roots=(*GPU_ONLY_ROOTS, *MILES_STUB_ROOTS),
+                                 env=env, cwd=tmp, timeout=timeout, check=False)
+            answers += _answers(done, len(argvs) - len(answers))
+    return answers
 
 
 def _local_hf_checkpoint(argv: list[str], preset: RunPreset, job: MilesJob, tmp: Path) -> list[str]:
@@ -245,22 +312,33 @@ def _local_hf_checkpoint(argv: list[str], preset: RunPreset, job: MilesJob, tmp:
         raise ValueError(f"{job.hf_checkpoint} is not a directory here and preset {preset.name!r} has no "
                          "config.json; point hf_checkpoint at the FP8 HF checkpoint")
     stand_in = tmp / "hf-checkpoint"
-    stand_in.mkdir()
+    stand_in.mkdir(parents=True)
     (stand_in / "config.json").write_text(json.dumps(preset.hf_config()))
     i = argv.index("--hf-checkpoint")
     return [*argv[:i + 1], str(stand_in), *argv[i + 2:]]
 
 
-def _answer(done) -> dict[str, Any]:
-    """The probe's answer, its error one line with Miles' own last words (its stderr: argparse, asserts)."""
+def _answers(done, n: int) -> list[dict[str, Any]]:
+    """The probe's answers to its `n` argvs in order, each error one line with Miles' own last words (that argv's
+    stderr: argparse, asserts). A process that died on an argv answers it with its exit and leaves the rest for
+    another process; one that died before its first argv answers all `n` so."""
     from engines.upstream.sources import engine_error
-    from engines.train.miles.probes.parse_args_probe import MARKER
+    from engines.train.miles.probes.parse_args_probe import ITEM, MARKER
 
-    out = done.stdout or ""
-    if MARKER not in out:
-        return {"accepted": False, "rejected": [], "error": f"the Miles probe exited {done.returncode} without an "
-                f"answer: {engine_error(done.stderr, out)}"}
-    answer = json.loads(out.split(MARKER, 1)[1].strip().splitlines()[0])
-    if not answer["accepted"] and not answer["rejected"]:
-        answer["error"] = engine_error(done.stderr, answer.pop("log", ""), exception=answer.get("error"))
-    return answer
+    out, err = done.stdout or "", done.stderr or ""
+    logs = err.split(f"{ITEM} ")  # [startup, "0\n<argv 0's stderr>", "1\n...", ...]
+    stderr = {int(part.split("\n", 1)[0]): logs[0] + part.split("\n", 1)[-1] for part in logs[1:]
+              if part.split("\n", 1)[0].isdigit()}
+    answers = []
+    for chunk in out.split(MARKER)[1:]:
+        answer = json.loads(chunk.strip().splitlines()[0])
+        i = answer.pop("index")
+        if not answer["accepted"] and not answer["rejected"]:
+            answer["error"] = engine_error(stderr.get(i, err), answer.pop("log", ""), exception=answer.get("error"))
+        answers.append(answer)
+    if len(answers) < len(stderr) or not stderr:  # it died on argv len(answers), or before its first
+        last = out.rsplit(MARKER, 1)[-1].split("\n", 2)[-1] if answers else out
+        died = {"accepted": False, "rejected": [], "error": f"the Miles probe exited {done.returncode} without an "
+                f"answer: {engine_error(stderr.get(len(answers), err), last)}"}
+        answers += [dict(died) for _ in range(1 if stderr else n)]
+    return answers

@@ -1,14 +1,21 @@
-"""Runs Miles' own `parse_args` on one argv and prints what it resolved, as one JSON line. Never imported by v4rl.
+"""Runs Miles' own `parse_args` on each of several argvs in one process and prints what each resolved, as one
+JSON line per argv. Never imported by v4rl.
 
 It is the body of the cluster preflight's subprocess (engines/train/miles/preflight.py): that process has
 Megatron-LM first on sys.path, then Miles and SGLang 0.5.23's source, the GPU-only modules stubbed where their
-import fails, and the job's runtime env as its environment (Megatron asserts on CUDA_DEVICE_MAX_CONNECTIONS and
-NCCL_ALGO). The request is a JSON file: {"argv": [...], "device": {"capability": [9, 5], "name": ...,
-"total_memory": ...}, "build_config": bool}. With build_config the parsed args then go through Megatron's own
-`core_transformer_config_from_args` (what Miles' model provider runs first on every rank: TransformerConfig's
-checks of the pipeline layout, MLA and the DeepSeek-V4 contract). The answer on stdout after the marker line:
-{"accepted": bool, "stage": "parse" | "validate" | "config" | "import", "rejected": [flags], "error": str,
-"resolved": {...}}.
+import fails, and the jobs' runtime env as its environment (Megatron asserts on CUDA_DEVICE_MAX_CONNECTIONS and
+NCCL_ALGO; argvs of one request share one env). The request is a JSON file: {"argvs": [[...], ...], "device":
+{"capability": [9, 5], "name": ..., "total_memory": ...}, "build_config": bool}. With build_config the parsed
+args then go through Megatron's own `core_transformer_config_from_args` (what Miles' model provider runs first
+on every rank: TransformerConfig's checks of the pipeline layout, MLA and the DeepSeek-V4 contract).
+
+Miles and Megatron are imported once (the ~20 s of a parse) and each argv is parsed afresh: a new sys.argv, and
+what a parse may change outside its args put back before the next (os.environ, which Megatron's
+--deterministic-mode fills, and torch's deterministic-algorithms switch); both build their parsers anew on every
+call and Miles' path never sets Megatron's global args. Before argv i the probe writes `ITEM i` to stderr, so
+the caller can tell each parse's log lines apart. After each parse, on stdout, the marker line and the answer:
+{"index": i, "accepted": bool, "stage": "parse" | "validate" | "config" | "import", "rejected": [flags],
+"error": str, "resolved": {...}, "stubbed": [...]}.
 
     python parse_args_probe.py request.json
 """
@@ -19,10 +26,13 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 import traceback
 
 MARKER = "=== v4rl parse_args probe ==="
+ITEM = "=== v4rl parse_args probe: argv"
+"""Written to stderr, then the argv's index, before each parse."""
 RESOLVED = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
@@ -131,10 +141,35 @@ def probe(request: dict) -> dict:
             "error": "", "resolved": resolved}
 
 
+def probe_each(request: dict):
+    """probe() on each of request["argvs"] in turn, yielding each answer; what a parse leaves outside its args
+    (os.environ, torch's deterministic mode) is put back before the next."""
+    for i, argv in enumerate(request["argvs"]):
+        print(f"{ITEM} {i}", file=sys.stderr, flush=True)
+        environ = dict(os.environ)
+        torch = sys.modules.get("torch")
+        switch = getattr(torch, "use_deterministic_algorithms", None)  # absent while torch is not imported
+        deterministic = (torch.are_deterministic_algorithms_enabled(),
+                         torch.is_deterministic_algorithms_warn_only_enabled()) if switch else (False, False)
+        try:
+            answer = probe({**request, "argv": argv})
+        except (Exception, SystemExit) as exc:  # one argv's failure must not end the others' parses
+            answer = {"accepted": False, "stage": "import", "rejected": [], "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc()[-4000:]}
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            switch = getattr(sys.modules.get("torch"), "use_deterministic_algorithms", None)
+            if switch is not None:
+                switch(deterministic[0], warn_only=deterministic[1])
+        yield {"index": i, **answer}
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        answer = probe(json.load(f))
-    stubs = sys.modules.get("engine_stubs")  # loaded by engines.upstream.sources.engine_python
-    answer["stubbed"] = sorted(set(getattr(stubs, "STUBBED", [])))
-    print(MARKER)
-    print(json.dumps(answer))
+        request = json.load(f)
+    for answer in probe_each(request):
+        stubs = sys.modules.get("engine_stubs")  # loaded by engines.upstream.sources.engine_python
+        answer["stubbed"] = sorted(set(getattr(stubs, "STUBBED", [])))
+        print(MARKER)
+        print(json.dumps(answer), flush=True)
