@@ -24,7 +24,9 @@ needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C com
 
 
 @pytest.fixture(autouse=True)
-def fresh_kernel_state():
+def fresh_kernel_state(monkeypatch):
+    """No verdict kept by an earlier process (fused.saved_check): every check here runs, on the kernels as patched."""
+    monkeypatch.setenv("V4RL_FUSED_CHECK_CACHE", "0")
     kernels.reset()
     yield
     kernels.reset()

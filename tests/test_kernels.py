@@ -250,6 +250,7 @@ def test_a_fused_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatc
 
     real = fused.attend
     monkeypatch.setattr(fused, "attend", lambda *a, **k: real(*a, **k) * 1.01)
+    monkeypatch.setenv("V4RL_FUSED_CHECK_CACHE", "0")  # judge the patched kernel, not a verdict kept on disk
     model = _fused_model()
     with caplog.at_level(logging.WARNING, logger="v4rl.kernels"):
         assert not model.fused.usable()

@@ -13,7 +13,8 @@ The library is built like kernels.py's (same cache, same atomic write), with -O3
 key then covers the CPU's feature flags; where the compiler refuses it, portable flags), and loaded with
 ctypes, which releases the GIL during a call. `V4RL_NATIVE_KERNELS=0` turns it off with the other native
 kernels, `V4RL_FUSED_DECODE=0` only this one; without a compiler, or when the check fails, the torch ops run,
-with one warning.
+with one warning. The check's verdict is kept beside the library for later processes (`saved_check`;
+`V4RL_FUSED_CHECK_CACHE=0` checks in every process).
 
     from engines.model import fused
     fused.status()     # {"enabled": True, "library": ".../libv4rl_fused-<hash>.so", "error": None, "checked": {...},
@@ -24,6 +25,8 @@ with one warning.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,50 @@ def record_check(signature: str, ok: bool, details: dict[str, Any] | None = None
     _checked[signature] = ok
     if details is not None:
         _check_details[signature] = details
+
+
+def check_cache_enabled() -> bool:
+    """`V4RL_FUSED_CHECK_CACHE=0` runs the fused check in every process (see saved_check)."""
+    return os.environ.get("V4RL_FUSED_CHECK_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _check_file(signature: str) -> Path | None:
+    """Where the check's verdict on `signature` is kept: beside the library it judged (whose name covers the C
+    sources, compiler, flags and CPU), under a key covering the config, torch's version and the Python of both
+    paths it compares (engines/model/*.py: the torch ops, the fused calls, the check itself)."""
+    if _library.path is None or not check_cache_enabled():
+        return None
+    digest = hashlib.sha256(f"{signature}\0{torch.__version__}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return Path(_library.path).with_name(f"{Path(_library.path).stem}.check-{digest.hexdigest()[:16]}.json")
+
+
+def saved_check(signature: str) -> bool | None:
+    """The verdict an earlier process recorded with save_check for this library, config and code (and records it
+    here), or None: then the check runs (about 8 CPU-s on the tiny-cpu shape, at every engine start otherwise)."""
+    path = _check_file(signature)
+    try:
+        saved = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("signature") != signature or not isinstance(saved.get("passed"), bool):
+        return None
+    record_check(signature, saved["passed"], saved.get("details"))
+    return saved["passed"]
+
+
+def save_check(signature: str, ok: bool, details: dict[str, Any]) -> None:
+    """Keeps a verdict for later processes (atomically; a cache that cannot be written only costs the next check)."""
+    path = _check_file(signature)
+    if path is None:
+        return
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps({"signature": signature, "passed": ok, "details": details}))
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 def checked(signature: str) -> bool | None:

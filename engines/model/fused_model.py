@@ -20,7 +20,8 @@ fused_check.py judges the kernels on a synthetic model of that config (never the
 result may be no further from a float64 run of the torch ops than the float32 torch ops are, times
 ERROR_FACTOR. The verdict is kept per config (`fused.status()["checked"]`), so the check runs once per config
 in a process and trained weights cannot switch a run to the torch ops; a failure falls back to them with one
-warning.
+warning. It is also kept beside the library (fused.saved_check), so a later process with the same library,
+config, torch and engines/model code reads it instead of checking again (`V4RL_FUSED_CHECK_CACHE=0`: check anyway).
 
     fast = FusedModel(model)
     if fast.usable():
@@ -290,13 +291,17 @@ class FusedModel:
     # ------------------------------------------------------------------ the check
     def _check(self) -> bool:
         """The verdict of fused_check on this model's config: run once per config in a process (under a lock, so
-        concurrent first uses wait for one check), then read from fused.status()."""
+        concurrent first uses wait for one check), then read from fused.status(); kept on disk beside the library
+        for later processes with the same library, config and code (fused.saved_check)."""
         signature = shape_signature(self.cfg)
         with _CHECK_LOCK:
             verdict = fused.checked(signature)
             if verdict is None:
+                verdict = fused.saved_check(signature)
+            if verdict is None:
                 result = fused_check.check_config(self.cfg)
                 fused.record_check(signature, result.passed, result.details())
+                fused.save_check(signature, result.passed, result.details())
                 if result.passed:
                     log.info("fused kernels checked for %s in %.1f s (worst %.2fx the torch ops' float32 error, "
                              "on %s; %s)", signature, result.seconds, result.worst_ratio, result.worst_output,

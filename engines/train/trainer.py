@@ -27,8 +27,11 @@ import torch
 
 from engines.model.config import ModelConfig
 from engines.train.bf16 import bf16_autocast
-from engines.train.hf_model import native_from_reference, reference_from_native, use_native_mhc
 from engines.train.routing_replay import RouterReplay
+
+# engines.train.hf_model (transformers' DeepSeek-V4 modeling, which loads torch._dynamo and torch.distributed: about
+# 3 CPU-s) is imported where a model is built, not here: TrainerConfig and Sample are read by processes that never
+# build one (the driver of a run on Ray, the rollout worker, which imports engines.train.actors).
 
 
 @dataclass(kw_only=True)
@@ -169,6 +172,8 @@ def _token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> 
 
 class Trainer:
     def __init__(self, model, cfg: ModelConfig, config: TrainerConfig) -> None:
+        from engines.train.hf_model import use_native_mhc
+
         self.model = use_native_mhc(model.float().train(), cfg)
         self.router_replay = RouterReplay(self.model)
         self.cfg, self.config = cfg, config
@@ -186,10 +191,14 @@ class Trainer:
 
     @classmethod
     def from_native(cls, cfg: ModelConfig, native: dict[str, torch.Tensor], config: TrainerConfig) -> "Trainer":
+        from engines.train.hf_model import reference_from_native
+
         return cls(reference_from_native(cfg, native), cfg, config)
 
     def native_state(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under native names (what an export quantizes for the rollout engine)."""
+        from engines.train.hf_model import native_from_reference
+
         return native_from_reference(self.model)
 
     @contextmanager
