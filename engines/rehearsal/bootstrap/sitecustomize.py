@@ -177,16 +177,26 @@ def _cpu_rng(module):
 def _in_process_store(module):
     """A one-rank process group (Miles' idle train actor) rendezvouses through an in-process HashStore instead of
     the env:// TCPStore, whose server PyTorch binds to every interface with no option to choose one: nothing of
-    a rehearsal listens beyond 127.0.0.1. Groups of more ranks keep their own store."""
+    a rehearsal listens beyond 127.0.0.1. The actor's ranks of a multi-rank layout (job.py LAYOUTS) rendezvous
+    through a FileStore under V4RL_REHEARSAL_STORE_DIR (one file per MASTER_ADDR:MASTER_PORT, the address Miles
+    gave the ranks); other env:// groups of more ranks, and every group given its own store or address (Miles'
+    weight-update group with the engine: tcp://), keep theirs."""
     real = module.init_process_group
 
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
                            *args, **kwargs):
         size = world_size if world_size != -1 else int(os.environ.get("WORLD_SIZE", "-1"))
-        if store is None and init_method in (None, "env://") and size == 1:
+        if store is None and init_method in (None, "env://") and size >= 1:
             import torch.distributed as dist  # complete by the time a group is made
 
-            store, rank, world_size = dist.HashStore(), 0, 1
+            store_dir = os.environ.get("V4RL_REHEARSAL_STORE_DIR")
+            if size == 1:
+                store, rank, world_size = dist.HashStore(), 0, 1
+            elif store_dir:
+                os.makedirs(store_dir, exist_ok=True)
+                name = f"{os.environ['MASTER_ADDR']}-{os.environ['MASTER_PORT']}"
+                rank = rank if rank != -1 else int(os.environ["RANK"])
+                store, world_size = dist.FileStore(os.path.join(store_dir, name), size), size
         return real(backend, None if store is not None else init_method, timeout, world_size, rank, store,
                     *args, **kwargs)
 
@@ -224,7 +234,7 @@ def _record_broadcasts(module):
         sent.clear()
         result = real_update(self, *args, **kwargs)
         if sent:
-            _write_broadcast(out, engine, self.weight_version, dict(sent))
+            _write_broadcast(out, engine, self.weight_version, dict(sent), *_pipeline_stage())
         sent.clear()
         return result
 
@@ -278,20 +288,45 @@ BROADCAST_CHECKSUM_TIMEOUT_S = 300
 """Seconds the engine may take to checksum its runtime tensors after a broadcast (a tiny model: well under one)."""
 
 
-def _write_broadcast(out, engine, version, sent):
+BROADCAST_PARTS_TIMEOUT_S = 300
+"""Seconds the first pipeline stage's recorder waits for the other stages' parts of the same broadcast."""
+
+
+def _pipeline_stage():
+    """(this rank's pipeline stage, the number of stages): with PP > 1 each stage's source rank broadcasts its own
+    layers into the engine (Miles' group miles-pp_<stage>), so each records its own part."""
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+
+
+def _write_broadcast(out, engine, version, sent, stage=0, stages=1):
+    """Stage `stage`'s part of broadcast `version` (broadcast-v<version>.safetensors, with PP > 1
+    broadcast-v<version>.pp<stage>.safetensors); stage 0 then waits for every other stage's part and writes the
+    record (broadcast-v<version>.json: the parts and the engine's checksums, asked once all stages have sent:
+    Miles' update_weights ends with a barrier of all ranks)."""
+    import time
     import urllib.request
 
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"broadcast-v{version}")
-    save_file(sent, stem + ".safetensors.tmp")
-    os.replace(stem + ".safetensors.tmp", stem + ".safetensors")
+    parts = [stem + (f".pp{i}" if stages > 1 else "") + ".safetensors" for i in range(stages)]
+    save_file(sent, parts[stage] + ".tmp")
+    os.replace(parts[stage] + ".tmp", parts[stage])
+    if stage != 0:
+        return
+    deadline = time.monotonic() + BROADCAST_PARTS_TIMEOUT_S
+    while not all(os.path.exists(part) for part in parts):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast v{version}: the other pipeline stages' parts never came ({parts})")
+        time.sleep(0.2)
     request = urllib.request.Request(engine + "/weights_checker", data=json.dumps({"action": "checksum"}).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=BROADCAST_CHECKSUM_TIMEOUT_S) as reply:
         ranks = json.load(reply)["ranks"]
-    record = {"version": int(version), "tensors": os.path.basename(stem) + ".safetensors",
+    record = {"version": int(version), "tensors": [os.path.basename(part) for part in parts],
               "engine_checksums": ranks[0]["checksums"]}
     with open(stem + ".json.tmp", "w") as f:
         json.dump(record, f)
