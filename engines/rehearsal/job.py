@@ -119,6 +119,9 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
                   context_length: int, layout: str = "1") -> RehearsalJob:
     """The cluster job for `preset`, with the CPU substitutions applied and recorded, at LAYOUTS[layout]."""
     lay = rehearsal_layout(layout)
+    idle_actor = stage == "rollout" and lay.world > 1
+    if idle_actor:  # Miles' --debug-rollout-only sizes its idle actor from --rollout-num-gpus (ROLLOUT_ACTOR_ROW)
+        lay = LAYOUTS["1"]
     p, world = lay.parallel, lay.world
     hf_config = json.loads((paths.hf_checkpoint / "config.json").read_text())
     cluster_job = build_command(preset, MilesJob.placeholder(preset, _profile(preset)), hf_config=None
@@ -128,7 +131,9 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     # built at the rehearsal layout's parallelism: the cluster's PP4 stage sizes (a 10-layer last stage) cannot
     # split the tiny model's 4 layers, and generation 2 writes them into --pipeline-model-parallel-layout
     built = build_command(dataclasses.replace(preset, parallel=p), job, hf_config=hf_config)
-    subs = [Substitution("model flags (--num-layers, --hidden-size, --num-experts, ...)",
+    subs = [Substitution(f"--layout {layout} (stage rollout)", "(the job's layout)", "layout 1 (TP/PP/EP 1)",
+                         ROLLOUT_ACTOR_WHY)] if idle_actor else []
+    subs += [Substitution("model flags (--num-layers, --hidden-size, --num-experts, ...)",
                          "V4-Flash config.json", "tiny config.json (Flash's per-head dims, 4 layers, 4 experts)",
                          "a model a CPU runs; Miles' attention asserts Flash's per-head shapes, so those stay")]
     argv = list(built.argv)
@@ -209,6 +214,12 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     subs.append(Substitution("NCCL_*/RCCL, *_SOCKET_IFNAME", "the cluster's", "(dropped)",
                              "no GPUs, no fabric: process groups are gloo on 127.0.0.1"))
     return RehearsalJob(argv=argv, env=env, substitutions=subs, ray=ray)
+
+
+ROLLOUT_ACTOR_WHY = ("Miles' --debug-rollout-only sizes its idle actor from --rollout-num-gpus (arguments.py: "
+                     "actor GPUs = min(8, rollout GPUs)): 1 for v4rl's one external engine, and Megatron cannot lay "
+                     "PP 2 on 1 rank (parallel_state.py:735 world_size (1) is not divisible by 2); stage rollout "
+                     "trains nothing, so its idle actor is built at layout 1 and the layout applies to train/full")
 
 
 def _engine_changes(engine_addr: str, context_length: int) -> list[tuple[str, object, str]]:

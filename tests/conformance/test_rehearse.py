@@ -276,6 +276,17 @@ def test_miles_parse_args_accepts_the_pp2_ep2_job_and_megatron_builds_its_config
     assert check.stage == "config" and r["config"]["pipeline_model_parallel_layout"] == "Et*2|t*2L"
 
 
+def test_stage_rollouts_idle_actor_stays_at_layout_1(tmp_path):
+    """Miles' --debug-rollout-only resizes its idle actor to --rollout-num-gpus (1): PP 2 cannot be laid on it."""
+    from engines.train.miles.command import parse_flags
+
+    job = _gen2_job(tmp_path, "rollout", "pp2-ep2")
+    flags = parse_flags(job.argv)
+    assert (flags["--pipeline-model-parallel-size"], flags["--actor-num-gpus-per-node"]) == (["1"], ["1"])
+    row = next(s for s in job.substitutions if s.name == "--layout pp2-ep2 (stage rollout)")
+    assert row.rehearsal == "layout 1 (TP/PP/EP 1)" and "--rollout-num-gpus" in row.why
+
+
 def test_layout_1_is_todays_single_gpu_job(tmp_path):
     from engines.train.miles.command import parse_flags
 
