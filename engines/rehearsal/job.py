@@ -204,6 +204,7 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
             "a FileStore under <work>/stores/, new for each job (bootstrap)", "torch's TCPStore server listens on every interface "
             "with no option to choose one; a file rendezvous keeps the rehearsal on loopback, the ranks and "
             "groups are Miles' and Megatron's own"))
+        subs.append(RENAMED_COLLECTIVES_ROW)
     subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
                              "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",
                              "stand-ins injected from outside (sitecustomize), Miles' files unmodified"))
@@ -216,6 +217,12 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     return RehearsalJob(argv=argv, env=env, substitutions=subs, ray=ray)
 
 
+RENAMED_COLLECTIVES_ROW = Substitution(
+    "miles/utils/reloadable_process_group.py ReloadableProcessGroup", "forwards _allgather_base, "
+    "_reduce_scatter_base, alltoall_base, ... (the torch of Miles' images)", "also all_gather_single, "
+    "reduce_scatter_single, all_to_all_single (+ _coalesced), forwarded the same way (bootstrap)",
+    "this machine's torch 2.13 calls the renamed methods on Miles' wrapper of each multi-rank group, which then hit "
+    "the bare ProcessGroup base: 'No backend type associated with device type cpu' (Megatron's MoE dispatcher)")
 ROLLOUT_ACTOR_WHY = ("Miles' --debug-rollout-only sizes its idle actor from --rollout-num-gpus (arguments.py: "
                      "actor GPUs = min(8, rollout GPUs)): 1 for v4rl's one external engine, and Megatron cannot lay "
                      "PP 2 on 1 rank (parallel_state.py:735 world_size (1) is not divisible by 2); stage rollout "

@@ -203,6 +203,28 @@ def _in_process_store(module):
     module.init_process_group = init_process_group
 
 
+TORCH_RENAMED_COLLECTIVES = ("all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+                             "reduce_scatter_single_coalesced", "all_to_all_single")
+"""ProcessGroup methods this machine's torch (2.13) calls for all_gather_into_tensor, reduce_scatter_tensor and
+all_to_all_single, where the torch of Miles' images calls _allgather_base, _reduce_scatter_base, alltoall_base."""
+
+
+def _forward_renamed_collectives(module):
+    """Miles wraps every non-gloo process group of more than one rank in its ReloadableProcessGroup
+    (miles/utils/reloadable_process_group.py: a bare ProcessGroup subclass that forwards each collective method to
+    the real group by name). It forwards the older torch's method names; torch 2.13 (this venv's) calls renamed ones
+    (TORCH_RENAMED_COLLECTIVES), which then hit the bare base class: `No backend type associated with device type
+    cpu`, first in Megatron's MoE dispatcher (token_dispatcher.py:587). The same forwarding, for the new names;
+    the groups, their members and what is sent are Miles' and Megatron's. Only layouts of more than one rank wrap
+    groups (a one-rank group stays bare): the substitution table lists it there."""
+    cls = getattr(module, "ReloadableProcessGroup", None)
+    if cls is None or not hasattr(cls, "_fwd"):
+        return
+    for name in TORCH_RENAMED_COLLECTIVES:
+        if name not in vars(cls):
+            setattr(cls, name, lambda self, *a, _name=name, **kw: self._fwd(_name, *a, **kw))
+
+
 def _skip_dashboard_columns(module):
     """--save-debug-rollout-data also writes a parquet mirror for Miles' dashboard through polars; the polars of
     SGLang 0.5.23's dependency folder lacks its compiled runtime (`pl.DataFrame`: NameError PyDataFrame, at
@@ -334,7 +356,8 @@ def _write_broadcast(out, engine, version, sent, stage=0, stages=1):
 
 
 _AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng,
-                        "torch.distributed.distributed_c10d": _in_process_store}
+                        "torch.distributed.distributed_c10d": _in_process_store,
+                        "miles.utils.reloadable_process_group": _forward_renamed_collectives}
 _WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor),
                 "dashboard": ("miles.ray.rollout.debug_data", _skip_dashboard_columns),
                 "broadcast_bucket": ("miles.backends.megatron_utils.update_weight.update_weight_from_distributed.mixin",
