@@ -204,7 +204,7 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
             "a FileStore under <work>/stores/, new for each job (bootstrap)", "torch's TCPStore server listens on every interface "
             "with no option to choose one; a file rendezvous keeps the rehearsal on loopback, the ranks and "
             "groups are Miles' and Megatron's own"))
-        subs.append(RENAMED_COLLECTIVES_ROW)
+        subs += [RENAMED_COLLECTIVES_ROW, SPLIT_SIZES_ROW]
     subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
                              "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",
                              "stand-ins injected from outside (sitecustomize), Miles' files unmodified"))
@@ -223,6 +223,10 @@ RENAMED_COLLECTIVES_ROW = Substitution(
     "reduce_scatter_single, all_to_all_single (+ _coalesced), forwarded the same way (bootstrap)",
     "this machine's torch 2.13 calls the renamed methods on Miles' wrapper of each multi-rank group, which then hit "
     "the bare ProcessGroup base: 'No backend type associated with device type cpu' (Megatron's MoE dispatcher)")
+SPLIT_SIZES_ROW = Substitution(
+    "torch.distributed.all_to_all_single split sizes", "CPU tensors, as Megatron's MoE dispatcher passes them "
+    "(the torch of Miles' images takes them)", "the same sizes as Python ints (bootstrap)", "this machine's torch "
+    "2.13 binding takes only int sequences (TypeError in the EP all-to-all); the tensors exchanged are unchanged")
 ROLLOUT_ACTOR_WHY = ("Miles' --debug-rollout-only sizes its idle actor from --rollout-num-gpus (arguments.py: "
                      "actor GPUs = min(8, rollout GPUs)): 1 for v4rl's one external engine, and Megatron cannot lay "
                      "PP 2 on 1 rank (parallel_state.py:735 world_size (1) is not divisible by 2); stage rollout "

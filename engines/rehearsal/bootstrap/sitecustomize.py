@@ -201,6 +201,23 @@ def _in_process_store(module):
                     *args, **kwargs)
 
     module.init_process_group = init_process_group
+    _split_sizes_as_ints(module)
+
+
+def _split_sizes_as_ints(module):
+    """Megatron's MoE all-to-all (tensor_parallel/mappings.py _AllToAll, from the alltoall token dispatcher with
+    EP > 1) passes its split sizes as CPU tensors; the torch of Miles' images takes any sequence of ints there,
+    this machine's torch 2.13 binding only ints (TypeError: all_to_all_single(): incompatible function arguments).
+    The same sizes as Python ints; the tensors exchanged are unchanged."""
+    real = module.all_to_all_single
+
+    def ints(sizes):
+        return sizes.tolist() if hasattr(sizes, "tolist") else sizes
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        return real(output, input, ints(output_split_sizes), ints(input_split_sizes), *args, **kwargs)
+
+    module.all_to_all_single = all_to_all_single
 
 
 TORCH_RENAMED_COLLECTIVES = ("all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
