@@ -186,6 +186,8 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         cluster_value = _show(parse_flags(cluster_job.argv).get(flag))
         if cluster_value != shown or before is None:
             subs.append(Substitution(flag, cluster_value, shown, why))
+    if stage != "train":  # the stages that start Miles' router
+        subs.append(ROUTER_READY_ROW)
     subs = list({s.name: s for s in subs}.values())  # a flag changed twice (stage full's --num-rollout): the last
     layout = "--pipeline-model-parallel-layout"
     if layout in parse_flags(argv) or layout in parse_flags(cluster_job.argv):
@@ -217,6 +219,10 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     return RehearsalJob(argv=argv, env=env, substitutions=subs, ray=ray)
 
 
+ROUTER_READY_ROW = Substitution(
+    "miles/ray/rollout/router_manager.py start_router: wait_for_server_ready", "30 s for the spawned sglang-router",
+    "300 s (bootstrap)", "a fresh interpreter on 2 shared cores, beside the actor ranks' imports, took longer than "
+    "30 s (--layout pp2-ep2, stage full: twice); the same wait, a dead router still fails at once")
 RENAMED_COLLECTIVES_ROW = Substitution(
     "miles/utils/reloadable_process_group.py ReloadableProcessGroup", "forwards _allgather_base, "
     "_reduce_scatter_base, alltoall_base, ... (the torch of Miles' images)", "also all_gather_single, "

@@ -242,6 +242,24 @@ def _forward_renamed_collectives(module):
             setattr(cls, name, lambda self, *a, _name=name, **kw: self._fwd(_name, *a, **kw))
 
 
+ROUTER_READY_TIMEOUT_S = 300
+"""Seconds Miles waits for the sglang-router it spawns to accept connections (Miles: 30)."""
+
+
+def _patient_router_start(module):
+    """Miles spawns its sglang-router in a fresh interpreter (multiprocessing spawn) and gives it 30 s to listen
+    (miles/ray/rollout/router_manager.py start_router: wait_for_server_ready(..., timeout=30)). On 2 shared cores,
+    with 4 actor ranks importing torch and Megatron at the same moment (--layout pp2-ep2), the spawned interpreter
+    took longer: `Server at 127.0.0.1:<port> not ready after 30s`, twice. The same wait (a dead router still fails
+    at once), ROUTER_READY_TIMEOUT_S long; nothing else of the start changes."""
+    real = module.wait_for_server_ready
+
+    def wait_for_server_ready(host, port, process=None, timeout=30):
+        return real(host, port, process, timeout=max(timeout, ROUTER_READY_TIMEOUT_S))
+
+    module.wait_for_server_ready = wait_for_server_ready
+
+
 def _skip_dashboard_columns(module):
     """--save-debug-rollout-data also writes a parquet mirror for Miles' dashboard through polars; the polars of
     SGLang 0.5.23's dependency folder lacks its compiled runtime (`pl.DataFrame`: NameError PyDataFrame, at
@@ -374,7 +392,8 @@ def _write_broadcast(out, engine, version, sent, stage=0, stages=1):
 
 _AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng,
                         "torch.distributed.distributed_c10d": _in_process_store,
-                        "miles.utils.reloadable_process_group": _forward_renamed_collectives}
+                        "miles.utils.reloadable_process_group": _forward_renamed_collectives,
+                        "miles.ray.rollout.router_manager": _patient_router_start}
 _WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor),
                 "dashboard": ("miles.ray.rollout.debug_data", _skip_dashboard_columns),
                 "broadcast_bucket": ("miles.backends.megatron_utils.update_weight.update_weight_from_distributed.mixin",
