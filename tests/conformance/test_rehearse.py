@@ -424,6 +424,31 @@ def test_full_stage_runs_miles_loop_kill_and_resume(generation, impl, request, s
     assert {"pass@1", "pass@4"} <= set(report.evals[0]["datasets"]["aime"]) and len(report.evals) >= 5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("generation,impl,layout", LAYOUT_IMPLS)
+def test_full_stage_at_a_multi_rank_layout(generation, impl, layout, request, sglang_paths, tmp_path):
+    """Stage full at --layout pp2-ep2: each pipeline stage's source rank broadcasts its layers (the experts gathered
+    over EP 2) into v4rl's engine, which then equals the actor's export after every broadcast; the kill, and the
+    resume from the PP 2 / EP 2 checkpoint Miles saved, as at layout 1."""
+    import math
+
+    miles = request.getfixturevalue(generation)
+    report = rehearse(RehearsalRequest(stage="full", miles_dir=str(miles), work_dir=str(tmp_path),
+                                       dsv4_impl=impl, layout=layout, timeout_s=1800))
+    stage = report.stages["full"]
+    assert stage["ok"], stage["error"]
+    assert sorted(report.rollouts) == FULL_ROLLOUT_IDS
+    assert all(math.isfinite(report.rollouts[r]["train/grad_norm"]) and report.rollouts[r]["train/grad_norm"] > 0
+               for r in FULL_ROLLOUT_IDS), report.rollouts
+    assert [(c["run"], c["version"]) for c in report.weight_checks] == [
+        ("run-1", 1), ("run-1", 2), ("run-1", 3), ("resume", 1), ("resume", 2)]
+    assert all(c["ok"] and c["tensors_sent"] > 0 for c in report.weight_checks), report.weight_checks
+    assert report.resumed_from == {"latest_checkpointed_iteration": 1, "rollout_id": 2,
+                                   "export_equals_last_before_kill": True, "training_moved_the_export": True}
+    assert sorted(p.name for p in (tmp_path / "broadcasts" / "run-1").glob("broadcast-v1.*")) == [
+        "broadcast-v1.json", "broadcast-v1.pp0.safetensors", "broadcast-v1.pp1.safetensors"]
+
+
 def _miles_sending_zero_tid2eid(miles: Path, tmp_path: Path) -> Path:
     """A copy of Miles (from the vendored tree, patched in tmp) whose weight update converts the hash-routing
     table to zeros: the defect Miles' own weight checker caught in radixark/miles PR #2706."""
