@@ -203,9 +203,9 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
                                  "the actor's gloo groups connect over 127.0.0.1 only"))
         subs.append(Substitution(
             "torch.distributed rendezvous of the actor's ranks", "env:// TCPStore on MASTER_ADDR:MASTER_PORT",
-            "a FileStore under <work>/stores/, new for each job (bootstrap)", "torch's TCPStore server listens on every interface "
-            "with no option to choose one; a file rendezvous keeps the rehearsal on loopback, the ranks and "
-            "groups are Miles' and Megatron's own"))
+            "a FileStore under <work>/stores/, new for each job (bootstrap)",
+            "torch's TCPStore server listens on every interface with no option to choose one; a file rendezvous "
+            "keeps the rehearsal on loopback, the ranks and groups are Miles' and Megatron's own"))
         subs += [RENAMED_COLLECTIVES_ROW, SPLIT_SIZES_ROW]
     subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
                              "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",
