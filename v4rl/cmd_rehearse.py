@@ -5,6 +5,7 @@
     v4rl rehearse --miles-dir ~/miles --megatron-dir ~/Megatron-LM --json rehearsal.json
     v4rl rehearse --stage train --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron   # rollout, then train
     v4rl rehearse --stage full --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron    # loop, kill, resume
+    v4rl rehearse --stage train --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron --layout pp2-ep2
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import json
 from pathlib import Path
 
 import typer
+
+from rl.field_docs import field_default_and_doc
+
+_LAYOUT = field_default_and_doc("engines.rehearsal.run", "RehearsalRequest", "layout")
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +34,7 @@ def register(app: typer.Typer) -> None:
                                                      "stage (Miles' rollout_<id>.pt dumps)."),
         dsv4_impl: str = typer.Option(None, help="Generation 2: miles | megatron (Megatron's own PyTorch "
                                                  "attention, --dsa-kernel-backend none)."),
+        layout: str = typer.Option(_LAYOUT[0], help=_LAYOUT[1]),
         miles_dir: Path = typer.Option(None, envvar="V4RL_MILES_DIR",
                                        help="Miles checkout (default: the vendored pin where ../shared/vendor exists)."),
         megatron_dir: Path = typer.Option(None, envvar="V4RL_MEGATRON_DIR",
@@ -51,7 +57,8 @@ def register(app: typer.Typer) -> None:
                                megatron_dir=str(megatron_dir) if megatron_dir else None,
                                work_dir=str(work_dir) if work_dir else None, engine_port=engine_port,
                                ray_port=ray_port, timeout_s=timeout,
-                               rollout_data=str(rollout_data) if rollout_data else None, dsv4_impl=dsv4_impl)
+                               rollout_data=str(rollout_data) if rollout_data else None, dsv4_impl=dsv4_impl,
+                               layout=layout)
         try:
             report = rehearse(req, log=lambda line: typer.echo(line, err=True))
         except RehearsalError as exc:

@@ -67,7 +67,7 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
         ray_port = r.free_port(req.ray_port, "--ray-port")
         try:
             job = rehearsal_job(preset, paths, engine_addr=f"127.0.0.1:{engine_port}", stage="full",
-                                context_length=r._context_length(hf))
+                                context_length=r._context_length(hf), layout=req.layout)
         except ValueError as exc:
             raise r.RehearsalError(f"the rehearsal job: {exc}") from None
         argv = job.argv + impl_args
@@ -87,7 +87,7 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
             extras["resumed_from"] = {"latest_checkpointed_iteration": iteration}
         kill_when = _KillPoint(save, broadcasts, log_path) if label == "run-1" else None
         error, killed = _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, req.timeout_s,
-                                 log_path, kill_when, log)
+                                 log_path, kill_when, log, job.ray)
         extras["weight_checks"] += [{"run": label, **c} for c in check_broadcasts(broadcasts, hf)]
         error = error or _run_outcome(label, killed, log_path, extras)
         if error:
@@ -95,7 +95,8 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
     return None, round(time.monotonic() - t0, 1), extras
 
 
-def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeout, log_path, kill_when, log):
+def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeout, log_path, kill_when, log,
+             ray_resources):
     """Engine, Ray, Miles' train.py (killed at `kill_when`), then everything stopped; (error, killed)."""
     engine = ray = None
     ray_dir = r._ray_temp_dir(work)
@@ -106,7 +107,7 @@ def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeou
         engine = r._start_engine(hf, engine_port, engine_log)
         log(f"stage full {label}: engine 127.0.0.1:{engine_port}; Ray head 127.0.0.1:{ray_port}")
         try:
-            ray = r.RaySession(ray_dir, port=ray_port, num_gpus=2, num_cpus=4, env=env, log=work / f"ray-{label}.log")
+            ray = r.RaySession(ray_dir, port=ray_port, **ray_resources, env=env, log=work / f"ray-{label}.log")
         except (RuntimeError, TimeoutError) as exc:
             return f"ray: {exc}", False
         log(f"stage full {label}: Miles' train.py (normal loop, --num-rollout {FULL_ROLLOUTS})")
@@ -174,9 +175,9 @@ def _check_resume(extras: dict, broadcasts: Path, metrics, want: list[int]) -> s
     if resumed["latest_checkpointed_iteration"] != want[0] - 1:
         return f"latest_checkpointed_iteration.txt read {resumed['latest_checkpointed_iteration']} before the " \
                f"resume, expected {want[0] - 1} (Miles saves rollout r as iteration r)"
-    last = broadcasts / "run-1" / f"broadcast-v{KILL_AFTER_ROLLOUT + 2}.safetensors"
-    first = broadcasts / "resume" / "broadcast-v1.safetensors"
-    moved = first_differing_tensor(broadcasts / "run-1" / "broadcast-v1.safetensors", last)
+    last = broadcasts / "run-1" / f"broadcast-v{KILL_AFTER_ROLLOUT + 2}.json"  # its parts, one per PP stage
+    first = broadcasts / "resume" / "broadcast-v1.json"
+    moved = first_differing_tensor(broadcasts / "run-1" / "broadcast-v1.json", last)
     same = first_differing_tensor(last, first)
     resumed["export_equals_last_before_kill"] = same is None
     resumed["training_moved_the_export"] = moved is not None

@@ -6,7 +6,13 @@ listed once) and then applies SUBSTITUTIONS, each a flag with the value the rehe
 applied change is a `Substitution` row (flag or variable, cluster value, rehearsal value, why); nothing else of
 the cluster job changes: data keys, Miles' reward, GRPO + TIS flags, eval with pass@k, SGLang limits Miles checks.
 
+The actor's Megatron layout is one of LAYOUTS (`RehearsalRequest.layout`, `v4rl rehearse --layout`): "1" (one
+logical GPU, TP/PP/EP 1) or "pp2-ep2" (4 logical GPUs: PP 2 x DP 2, EP 2: 2 layers per stage, 2 experts per rank),
+built by the cluster's own parallel-flag code (train_args.py megatron_parallel_args: generation 2's
+--pipeline-model-parallel-layout included), each flag that differs from the cluster's a row.
+
     job = rehearsal_job(SEED_RUN, RehearsalPaths(...), engine_addr="127.0.0.1:31777", stage="rollout")
+    job = rehearsal_job(SEED_RUN, paths, engine_addr=..., stage="train", layout="pp2-ep2")
     print(job.argv[:4]); print(substitution_table(job.substitutions))
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +34,42 @@ DEVICE = {"name": "AMD Instinct MI355X", "total_memory": 288 * 2**30, "capabilit
 ROLLOUT_SIZES = {"num_rollout": 2, "rollout_batch_size": 4, "n_samples_per_prompt": 4, "rollout_max_response_len": 24,
                  "n_samples_per_eval_prompt": 4, "eval_max_response_len": 24, "eval_interval": 1}
 """A few rollouts of a few short samples: two rollouts with an eval before each, ~1 minute of decoding on 2 cores."""
+
+
+@dataclass(frozen=True)
+class RehearsalLayout:
+    """The actor's Megatron parallelism on Ray logical GPUs of this machine (gloo process groups)."""
+
+    parallel: ParallelSpec
+    """The parallel sizes the job is built with (engines/train/miles/train_args.py, as for the cluster)."""
+    world: int
+    """The actor's ranks (logical GPUs): TP x PP x CP x DP, and a multiple of ETP x EP x PP (Megatron's rule)."""
+    why: str
+    """What the layout rehearses (the substitution rows' reason)."""
+
+    def __post_init__(self) -> None:
+        p = self.parallel
+        if self.world % (p.tp * p.pp * p.cp) or self.world % (p.expert_tp * p.ep * p.pp):
+            raise ValueError(f"rehearsal layout of {self.world} ranks: TP x PP x CP ({p.tp * p.pp * p.cp}) and "
+                             f"ETP x EP x PP ({p.expert_tp * p.ep * p.pp}) must divide it")
+
+
+LAYOUTS = {
+    "1": RehearsalLayout(ParallelSpec(), 1, "one logical GPU for the actor (TP/PP/EP 1)"),
+    "pp2-ep2": RehearsalLayout(ParallelSpec(tp=1, pp=2, ep=2, etp=1, cp=1), 4,
+                               "layout pp2-ep2: 4 logical GPUs, PP 2 x DP 2 (2 of the tiny model's 4 layers per "
+                               "stage), EP 2 (2 of its 4 experts per rank): the seed's PP and EP axes at the size "
+                               "the tiny model splits"),
+}
+"""The rehearsal's actor layouts, by `--layout` name. The cluster's own (the seed's PP4 with a 10-layer last stage,
+EP 4) cannot split the tiny model's 4 layers and 4 experts, so each is a substitution row."""
+
+
+def rehearsal_layout(name: str) -> RehearsalLayout:
+    """LAYOUTS[name]; an unknown name is one line listing the known ones."""
+    if name not in LAYOUTS:
+        raise ValueError(f"--layout {name}: not a rehearsal layout; use one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
 
 
 @dataclass(frozen=True)
@@ -61,6 +104,9 @@ class RehearsalJob:
     argv: list[str]
     env: dict[str, str]
     substitutions: list[Substitution] = field(default_factory=list)
+    ray: dict[str, int] = field(default_factory=lambda: {"num_gpus": 2, "num_cpus": 4})
+    """The local Ray head's logical resources (RaySession's num_gpus, num_cpus): the layout's GPUs (at least 2) and
+    a CPU bundle per actor rank plus Miles' RolloutManager and its lock."""
 
 
 def _show(values: list[str] | None) -> str:
@@ -70,17 +116,24 @@ def _show(values: list[str] | None) -> str:
 
 
 def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str, stage: str = "rollout",
-                  context_length: int) -> RehearsalJob:
-    """The cluster job for `preset`, with the CPU substitutions applied and recorded."""
+                  context_length: int, layout: str = "1") -> RehearsalJob:
+    """The cluster job for `preset`, with the CPU substitutions applied and recorded, at LAYOUTS[layout]."""
+    lay = rehearsal_layout(layout)
+    idle_actor = stage == "rollout" and lay.world > 1
+    if idle_actor:  # Miles' --debug-rollout-only sizes its idle actor from --rollout-num-gpus (ROLLOUT_ACTOR_ROW)
+        lay = LAYOUTS["1"]
+    p, world = lay.parallel, lay.world
     hf_config = json.loads((paths.hf_checkpoint / "config.json").read_text())
     cluster_job = build_command(preset, MilesJob.placeholder(preset, _profile(preset)), hf_config=None
                                 if preset.hf_config is not None else hf_config)
     job = MilesJob(run_id="rehearsal", hf_checkpoint=str(paths.hf_checkpoint), ref_load=str(paths.work / "ref"),
                    save_dir=str(paths.work / "save"), miles_dir=".", log_dir=str(paths.work))
-    # built at one device's parallelism: the cluster's PP4 stage sizes (a 10-layer last stage) cannot split the
-    # tiny model's 4 layers, and generation 2 writes them into --pipeline-model-parallel-layout
-    built = build_command(dataclasses.replace(preset, parallel=ParallelSpec()), job, hf_config=hf_config)
-    subs = [Substitution("model flags (--num-layers, --hidden-size, --num-experts, ...)",
+    # built at the rehearsal layout's parallelism: the cluster's PP4 stage sizes (a 10-layer last stage) cannot
+    # split the tiny model's 4 layers, and generation 2 writes them into --pipeline-model-parallel-layout
+    built = build_command(dataclasses.replace(preset, parallel=p), job, hf_config=hf_config)
+    subs = [Substitution(f"--layout {layout} (stage rollout)", "(the job's layout)", "layout 1 (TP/PP/EP 1)",
+                         ROLLOUT_ACTOR_WHY)] if idle_actor else []
+    subs += [Substitution("model flags (--num-layers, --hidden-size, --num-experts, ...)",
                          "V4-Flash config.json", "tiny config.json (Flash's per-head dims, 4 layers, 4 experts)",
                          "a model a CPU runs; Miles' attention asserts Flash's per-head shapes, so those stay")]
     argv = list(built.argv)
@@ -94,18 +147,19 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         ("--save", str(paths.work / "save"), "work dir of this rehearsal"),
         *[(f"--{k.replace('_', '-')}", v, "sizes a CPU decodes in about a minute") for k, v in ROLLOUT_SIZES.items()],
         ("--actor-num-nodes", 1, "one machine (Ray logical GPUs)"),
-        ("--actor-num-gpus-per-node", 1, "one machine (Ray logical GPUs)"),
-        ("--num-gpus-per-node", 1, "one machine (Ray logical GPUs)"),
+        ("--actor-num-gpus-per-node", world, f"one machine (Ray logical GPUs): {lay.why}"),
+        ("--num-gpus-per-node", world, f"one machine (Ray logical GPUs): {lay.why}"),
         ("--rollout-num-gpus", 1, "one external engine (Miles counts engines from it)"),
         ("--apply-chat-template", False, "the tiny tokenizer has no chat template; prompts are sent as plain text"),
         ("--apply-chat-template-kwargs", False, "goes with --apply-chat-template"),
         ("--over-sampling-batch-size", False, "a random tiny model solves nothing: every group has equal rewards and "
                                               "dynamic sampling would drop them all, forever"),
         ("--dynamic-sampling-filter-path", False, "goes with --over-sampling-batch-size"),
-        ("--tensor-model-parallel-size", 1, "one logical GPU for the actor"),
-        ("--pipeline-model-parallel-size", 1, "one logical GPU for the actor"),
-        ("--decoder-last-pipeline-num-layers", False, "no pipeline (PP 1)"),
-        ("--expert-model-parallel-size", 1, "one logical GPU for the actor"),
+        ("--tensor-model-parallel-size", p.tp, lay.why),
+        ("--pipeline-model-parallel-size", p.pp, lay.why),
+        ("--decoder-last-pipeline-num-layers", False, "no pipeline (PP 1)" if p.pp == 1 else
+         f"the tiny model's {hf_config['num_hidden_layers']} layers split evenly over PP {p.pp}"),
+        ("--expert-model-parallel-size", p.ep, lay.why),
         ("--distributed-backend", "gloo", "no NCCL/RCCL on a CPU: Megatron's process groups are gloo"),
     ]
     changes += _engine_changes(engine_addr, context_length)  # stage train starts no engine: Miles' parser still checks them
@@ -132,20 +186,57 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         cluster_value = _show(parse_flags(cluster_job.argv).get(flag))
         if cluster_value != shown or before is None:
             subs.append(Substitution(flag, cluster_value, shown, why))
+    if stage != "train":  # the stages that start Miles' router
+        subs.append(ROUTER_READY_ROW)
     subs = list({s.name: s for s in subs}.values())  # a flag changed twice (stage full's --num-rollout): the last
     layout = "--pipeline-model-parallel-layout"
     if layout in parse_flags(argv) or layout in parse_flags(cluster_job.argv):
         subs.append(Substitution(layout, _show(parse_flags(cluster_job.argv).get(layout)),
-                                 _show(parse_flags(argv).get(layout)), "one pipeline stage (PP 1)"))
+                                 _show(parse_flags(argv).get(layout)), "one pipeline stage (PP 1)" if p.pp == 1
+                                 else f"{lay.why}; the string built as for the cluster (train_args.py "
+                                      "pipeline_layout)"))
     env = {k: v for k, v in built.env.items() if "${" not in v and k != "PYTHONPATH"}
+    if world > 1:  # gloo pairs between the actor's ranks listen on loopback only; a file rendezvous per job
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env["V4RL_REHEARSAL_STORE_DIR"] = str(paths.work / "stores" / uuid.uuid4().hex[:12])
+        subs.append(Substitution("GLOO_SOCKET_IFNAME", cluster_job.env.get("GLOO_SOCKET_IFNAME", "(unset)"), "lo",
+                                 "the actor's gloo groups connect over 127.0.0.1 only"))
+        subs.append(Substitution(
+            "torch.distributed rendezvous of the actor's ranks", "env:// TCPStore on MASTER_ADDR:MASTER_PORT",
+            "a FileStore under <work>/stores/, new for each job (bootstrap)",
+            "torch's TCPStore server listens on every interface with no option to choose one; a file rendezvous "
+            "keeps the rehearsal on loopback, the ranks and groups are Miles' and Megatron's own"))
+        subs += [RENAMED_COLLECTIVES_ROW, SPLIT_SIZES_ROW]
     subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
                              "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",
                              "stand-ins injected from outside (sitecustomize), Miles' files unmodified"))
-    subs.append(Substitution("Ray", "the user's cluster (--address)", "local head, logical GPUs (--num-gpus)",
+    ray = {"num_gpus": max(2, world), "num_cpus": world + 3}
+    subs.append(Substitution("Ray", "the user's cluster (--address)",
+                             f"local head, logical GPUs (--num-gpus {ray['num_gpus']})",
                              "Miles' placement groups ask for GPUs; Ray accepts logical ones on a CPU machine"))
     subs.append(Substitution("NCCL_*/RCCL, *_SOCKET_IFNAME", "the cluster's", "(dropped)",
                              "no GPUs, no fabric: process groups are gloo on 127.0.0.1"))
-    return RehearsalJob(argv=argv, env=env, substitutions=subs)
+    return RehearsalJob(argv=argv, env=env, substitutions=subs, ray=ray)
+
+
+ROUTER_READY_ROW = Substitution(
+    "miles/ray/rollout/router_manager.py start_router: wait_for_server_ready", "30 s for the spawned sglang-router",
+    "300 s (bootstrap)", "a fresh interpreter on 2 shared cores, beside the actor ranks' imports, took longer than "
+    "30 s (--layout pp2-ep2, stage full: twice); the same wait, a dead router still fails at once")
+RENAMED_COLLECTIVES_ROW = Substitution(
+    "miles/utils/reloadable_process_group.py ReloadableProcessGroup", "forwards _allgather_base, "
+    "_reduce_scatter_base, alltoall_base, ... (the torch of Miles' images)", "also all_gather_single, "
+    "reduce_scatter_single, all_to_all_single (+ _coalesced), forwarded the same way (bootstrap)",
+    "this machine's torch 2.13 calls the renamed methods on Miles' wrapper of each multi-rank group, which then hit "
+    "the bare ProcessGroup base: 'No backend type associated with device type cpu' (Megatron's MoE dispatcher)")
+SPLIT_SIZES_ROW = Substitution(
+    "torch.distributed.all_to_all_single split sizes", "CPU tensors, as Megatron's MoE dispatcher passes them "
+    "(the torch of Miles' images takes them)", "the same sizes as Python ints (bootstrap)", "this machine's torch "
+    "2.13 binding takes only int sequences (TypeError in the EP all-to-all); the tensors exchanged are unchanged")
+ROLLOUT_ACTOR_WHY = ("Miles' --debug-rollout-only sizes its idle actor from --rollout-num-gpus (arguments.py: "
+                     "actor GPUs = min(8, rollout GPUs)): 1 for v4rl's one external engine, and Megatron cannot lay "
+                     "PP 2 on 1 rank (parallel_state.py:735 world_size (1) is not divisible by 2); stage rollout "
+                     "trains nothing, so its idle actor is built at layout 1 and the layout applies to train/full")
 
 
 def _engine_changes(engine_addr: str, context_length: int) -> list[tuple[str, object, str]]:

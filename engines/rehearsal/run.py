@@ -27,7 +27,8 @@ from pathlib import Path
 
 from engines.upstream import sources as src
 from engines.upstream.stubs import GPU_ONLY_ROOTS
-from engines.rehearsal.job import DEVICE, ROLLOUT_SIZES, RehearsalPaths, Substitution, rehearsal_job
+from engines.rehearsal.job import DEVICE, ROLLOUT_SIZES, RehearsalPaths, Substitution, rehearsal_job, \
+    rehearsal_layout
 from engines.rehearsal.metrics import read_metrics
 from engines.rehearsal.ray_session import RAY_ENV, RaySession
 from engines.rehearsal.logprob_noise import LogprobNoise, logprob_diff_problem, measure_logprob_noise
@@ -63,6 +64,9 @@ class RehearsalRequest:
     """Stage train: a directory of Miles' rollout dumps (rollout_<id>.pt) instead of running stage rollout first."""
     dsv4_impl: str | None = None
     """Generation 2: --dsv4-impl miles|megatron (default: the parser's first choice); generation 1 has only miles."""
+    layout: str = "1"
+    """The Megatron actor's layout on Ray logical GPUs (engines/rehearsal/job.py LAYOUTS): 1 = one GPU, TP/PP/EP 1;
+    pp2-ep2 = 4 GPUs, PP 2 x DP 2 and EP 2 (2 of the tiny model's 4 layers per stage, 2 of its 4 experts per rank)."""
 
 
 @dataclass
@@ -140,6 +144,10 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     from engines.presets.runs import SEED_RUN
 
     preset = preset or SEED_RUN
+    try:
+        rehearsal_layout(req.layout)
+    except ValueError as exc:
+        raise RehearsalError(str(exc)) from None
     miles, megatron, gen = resolve_trees(req)
     given_data = _check_rollout_data(req.rollout_data, ROLLOUT_SIZES["num_rollout"]) if req.rollout_data else None
     impl_args = _impl_args(miles, req.dsv4_impl)
@@ -227,7 +235,7 @@ def _run_stage(stage: str, req: RehearsalRequest, preset, paths: RehearsalPaths,
         _convert_ref(hf, work / "ref", miles, log)
     try:
         job = rehearsal_job(preset, paths, engine_addr=f"127.0.0.1:{engine_port}", stage=stage,
-                            context_length=_context_length(hf))
+                            context_length=_context_length(hf), layout=req.layout)
     except ValueError as exc:  # the cluster preset's job cannot be built for the tiny model (a layout rule's line)
         raise RehearsalError(f"the rehearsal job: {exc}") from None
     argv = job.argv + impl_args
@@ -250,7 +258,7 @@ def _run_stage(stage: str, req: RehearsalRequest, preset, paths: RehearsalPaths,
             engine = _start_engine(hf, engine_port, work / "engine.log")
             log(f"engine: v4rl serve-rollout on 127.0.0.1:{engine_port}; Ray head 127.0.0.1:{ray_port}")
         try:
-            ray = RaySession(ray_dir, port=ray_port, num_gpus=2, num_cpus=4, env=env, log=work / f"ray-{stage}.log")
+            ray = RaySession(ray_dir, port=ray_port, **job.ray, env=env, log=work / f"ray-{stage}.log")
         except (RuntimeError, TimeoutError) as exc:
             raise RehearsalError(f"stage {stage}: ray: {exc}") from None
         log(f"stage {stage}: Miles {miles.name} (generation {report.generation}): train.py {' '.join(argv[-6:])} ...")

@@ -27,14 +27,24 @@ def check_broadcasts(folder: Path, hf: Path) -> list[dict]:
 
 
 def check_broadcast(record_path: Path, hf: Path) -> dict:
-    from safetensors.torch import load_file
-
     record = json.loads(record_path.read_text())
-    sent = load_file(record_path.with_name(record["tensors"]))
+    sent = recorded_export(record_path)
     with tempfile.TemporaryDirectory(prefix="v4rl-export-") as tmp:
         expected = export_checksums(export_dir(hf, sent, Path(tmp) / "export"))
     first = first_differing(expected, record["engine_checksums"])
     return {"version": record["version"], "tensors_sent": len(sent), "ok": first is None, "first_differing": first}
+
+
+def recorded_export(path: Path) -> dict:
+    """Every tensor of one recorded broadcast: its record (.json: the parts it lists, one per pipeline stage that
+    sent) or one .safetensors file."""
+    from safetensors.torch import load_file
+
+    if path.suffix != ".json":
+        return load_file(str(path))
+    parts = json.loads(path.read_text())["tensors"]
+    return {name: t for part in ([parts] if isinstance(parts, str) else parts)
+            for name, t in load_file(str(path.with_name(part))).items()}
 
 
 def export_dir(hf: Path, sent: dict, out: Path) -> Path:
@@ -87,11 +97,11 @@ def first_differing(expected: dict[str, str], live: dict[str, str]) -> str | Non
 
 
 def first_differing_tensor(a: Path, b: Path) -> str | None:
-    """The first tensor name (sorted) whose values differ between two recorded exports (or that one lacks)."""
+    """The first tensor name (sorted) whose values differ between two recorded exports (or that one lacks);
+    each a record (.json) or a .safetensors file (recorded_export)."""
     import torch
-    from safetensors.torch import load_file
 
-    x, y = load_file(str(a)), load_file(str(b))
+    x, y = recorded_export(a), recorded_export(b)
     for name in sorted(x.keys() | y.keys()):
         if name not in x or name not in y or x[name].dtype != y[name].dtype or not torch.equal(
                 x[name].view(torch.uint8) if x[name].dtype.itemsize == 1 else x[name],

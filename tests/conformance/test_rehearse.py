@@ -203,6 +203,116 @@ def test_generation_2_job_lays_the_tiny_model_on_one_stage(tmp_path):
     assert rows["--pipeline-model-parallel-layout"].cluster.count("|") == 3
 
 
+def _gen2_job(tmp_path, stage: str, layout: str):
+    import dataclasses
+
+    from engines.presets.runs import SEED_RUN
+
+    preset = dataclasses.replace(SEED_RUN, miles=dataclasses.replace(SEED_RUN.miles, generation=2,
+                                                                     dsv4_impl="megatron"))
+    hf = tmp_path / "hf"
+    hf.mkdir(exist_ok=True)
+    (hf / "config.json").write_text(json.dumps(tiny_miles_config().to_hf_dict()))
+    return rehearsal_job(preset, RehearsalPaths(hf, tmp_path / "t.jsonl", tmp_path / "e.jsonl", tmp_path),
+                         engine_addr=ENGINE, context_length=4096, stage=stage, layout=layout)
+
+
+@pytest.mark.parametrize("stage", ["train", "full"])
+def test_layout_pp2_ep2_sets_the_parallel_flags_gpus_and_rows(tmp_path, stage):
+    """--layout pp2-ep2: 4 logical GPUs, PP 2 (generation 2's layout string, 2 layers per stage) x DP 2, EP 2;
+    every flag that differs from the cluster's is a row saying both values; Ray gets the 4 GPUs."""
+    from engines.train.miles.command import parse_flags
+
+    job = _gen2_job(tmp_path, stage, "pp2-ep2")
+    flags = parse_flags(job.argv)
+    assert {f: flags[f] for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                  "--pipeline-model-parallel-layout", "--expert-model-parallel-size",
+                                  "--expert-tensor-parallel-size", "--actor-num-nodes", "--actor-num-gpus-per-node",
+                                  "--num-gpus-per-node")} == {
+        "--tensor-model-parallel-size": ["1"], "--pipeline-model-parallel-size": ["2"],
+        "--pipeline-model-parallel-layout": ["Et*2|t*2L"], "--expert-model-parallel-size": ["2"],
+        "--expert-tensor-parallel-size": ["1"], "--actor-num-nodes": ["1"], "--actor-num-gpus-per-node": ["4"],
+        "--num-gpus-per-node": ["4"]}
+    assert "--decoder-last-pipeline-num-layers" not in flags
+    rows = {s.name: (s.cluster, s.rehearsal) for s in job.substitutions}
+    assert rows["--pipeline-model-parallel-size"] == ("4", "2")
+    assert rows["--expert-model-parallel-size"] == ("4", "2")
+    assert rows["--pipeline-model-parallel-layout"] == ("Et*11|t*11|t*11|t*10L", "Et*2|t*2L")
+    assert rows["--actor-num-gpus-per-node"] == ("8", "4")
+    assert "--tensor-model-parallel-size" not in rows  # TP 1 on the cluster too
+    assert rows["Ray"][1] == "local head, logical GPUs (--num-gpus 4)" and job.ray == {"num_gpus": 4, "num_cpus": 7}
+    assert job.env["GLOO_SOCKET_IFNAME"] == "lo" and rows["GLOO_SOCKET_IFNAME"][1] == "lo"
+    assert Path(job.env["V4RL_REHEARSAL_STORE_DIR"]).parent == tmp_path / "stores"
+
+
+@pytest.mark.slow
+def test_miles_parse_args_accepts_the_pp2_ep2_job_and_megatron_builds_its_config(tmp_path, miles_gen2_tree,
+                                                                                megatron_gen2_tree, sglang_paths):
+    """Miles e9e19b223's own parse_args and Megatron-LM 6184c094a's TransformerConfig on the stage-train job at
+    --layout pp2-ep2 (about 40 s): the layout string with the hash layer on stage 0 is accepted (conformance C7)."""
+    import dataclasses
+
+    from engines.presets.runs import SEED_RUN
+    from engines.profiles import get_profile
+    from engines.presets.runs import layout_input
+    from engines.train.miles import MilesJob
+    from engines.train.miles.command import MilesCommand
+    from engines.train.miles.preflight import check_command
+
+    job = _gen2_job(tmp_path, "train", "pp2-ep2")
+    preset = dataclasses.replace(SEED_RUN, miles=dataclasses.replace(SEED_RUN.miles, generation=2,
+                                                                     dsv4_impl="megatron"))
+    profile = get_profile(preset.profile)
+    miles_job = MilesJob(run_id="rehearsal", hf_checkpoint=str(tmp_path / "hf"), ref_load=str(tmp_path / "ref"),
+                         save_dir=str(tmp_path / "save"))
+    check = check_command(MilesCommand(argv=job.argv, env=job.env, miles_dir=str(miles_gen2_tree), generation=2),
+                          preset, miles_job,
+                          cluster=layout_input(preset, profile=profile).cluster, profile=profile,
+                          miles_dir=miles_gen2_tree, megatron_dir=megatron_gen2_tree)
+    assert check.accepted, check.error
+    r = check.resolved
+    assert (r["pipeline_model_parallel_size"], r["expert_model_parallel_size"], r["actor_num_gpus_per_node"],
+            r["pipeline_model_parallel_layout"]) == (2, 2, 4, "Et*2|t*2L")
+    assert check.stage == "config" and r["config"]["pipeline_model_parallel_layout"] == "Et*2|t*2L"
+
+
+def test_stage_rollouts_idle_actor_stays_at_layout_1(tmp_path):
+    """Miles' --debug-rollout-only resizes its idle actor to --rollout-num-gpus (1): PP 2 cannot be laid on it."""
+    from engines.train.miles.command import parse_flags
+
+    job = _gen2_job(tmp_path, "rollout", "pp2-ep2")
+    flags = parse_flags(job.argv)
+    assert (flags["--pipeline-model-parallel-size"], flags["--actor-num-gpus-per-node"]) == (["1"], ["1"])
+    row = next(s for s in job.substitutions if s.name == "--layout pp2-ep2 (stage rollout)")
+    assert row.rehearsal == "layout 1 (TP/PP/EP 1)" and "--rollout-num-gpus" in row.why
+
+
+def test_layout_1_is_todays_single_gpu_job(tmp_path):
+    from engines.train.miles.command import parse_flags
+
+    job = _gen2_job(tmp_path, "train", "1")
+    flags = parse_flags(job.argv)
+    assert (flags["--pipeline-model-parallel-size"], flags["--expert-model-parallel-size"],
+            flags["--actor-num-gpus-per-node"]) == (["1"], ["1"], ["1"])
+    assert "--pipeline-model-parallel-layout" not in flags and job.ray == {"num_gpus": 2, "num_cpus": 4}
+    assert "GLOO_SOCKET_IFNAME" not in job.env and "V4RL_REHEARSAL_STORE_DIR" not in job.env
+
+
+def test_an_unknown_layout_is_one_line():
+    with pytest.raises(RehearsalError, match=r"^--layout pp3: not a rehearsal layout; use one of 1, pp2-ep2$"):
+        rehearse(RehearsalRequest(stage="train", layout="pp3"))
+
+
+def test_the_layout_option_reads_its_one_definition():
+    """`v4rl rehearse --layout`: default and help are RehearsalRequest.layout's (rl/field_docs.py)."""
+    import dataclasses
+
+    from v4rl import cmd_rehearse
+
+    default = {f.name: f.default for f in dataclasses.fields(RehearsalRequest)}["layout"]
+    assert cmd_rehearse._LAYOUT[0] == default == "1" and "pp2-ep2" in cmd_rehearse._LAYOUT[1]
+
+
 def test_a_request_the_engine_refuses_stops_miles_at_once_with_the_engines_reason(tmp_path):
     """Miles retries a refused /generate for a minute; the rehearsal stops it as the engine logs the refusal."""
     import time
@@ -252,6 +362,33 @@ def test_train_stage_trains_miles_megatron_actor_on_the_rollout_stages_data(gene
     assert {"--debug-train-only", "--load-debug-rollout-data"} <= {s.name for s in report.substitutions}
 
 
+LAYOUT_IMPLS = [pytest.param("miles_gen2_tree", "megatron", "pp2-ep2", id="gen2-megatron-pp2-ep2")]
+"""The multi-rank layouts stage train runs (job.py LAYOUTS): Miles' Megatron actor on 4 gloo ranks, PP 2 x DP 2
+and EP 2, generation 2's Megatron attention."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation,impl,layout", LAYOUT_IMPLS)
+def test_train_stage_trains_at_a_multi_rank_layout(generation, impl, layout, request, sglang_paths, tmp_path):
+    """Stage train at --layout pp2-ep2: Miles' actor on 4 ranks loads v4rl's torch_dist conversion (written at no
+    parallelism; Megatron reshards it to 2 stages and 2 expert ranks), trains one step per rollout, every Miles
+    train metric finite, and saves."""
+    import math
+
+    miles = request.getfixturevalue(generation)
+    report = rehearse(RehearsalRequest(stage="train", miles_dir=str(miles), work_dir=str(tmp_path),
+                                       dsv4_impl=impl, layout=layout, timeout_s=1500))
+    assert report.stages["rollout"]["ok"], report.stages["rollout"]["error"]
+    assert report.stages["train"]["ok"], report.stages["train"]["error"]
+    for rollout in ("0", "1"):
+        values = report.rollouts[rollout]
+        for name in ("train/loss", "train/grad_norm", "train/tis", "train/train_rollout_logprob_abs_diff"):
+            assert math.isfinite(values[name]), (rollout, name, values.get(name))
+    rows = {s.name: s.rehearsal for s in report.substitutions}
+    assert rows["--pipeline-model-parallel-layout"] == "Et*2|t*2L" and rows["--expert-model-parallel-size"] == "2"
+    assert (tmp_path / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
 FULL_ROLLOUT_IDS = ["0", "1", "2"]
 
 
@@ -280,6 +417,31 @@ def test_full_stage_runs_miles_loop_kill_and_resume(generation, impl, request, s
     assert report.resumed_from == {"latest_checkpointed_iteration": 1, "rollout_id": 2,
                                    "export_equals_last_before_kill": True, "training_moved_the_export": True}
     assert {"pass@1", "pass@4"} <= set(report.evals[0]["datasets"]["aime"]) and len(report.evals) >= 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation,impl,layout", LAYOUT_IMPLS)
+def test_full_stage_at_a_multi_rank_layout(generation, impl, layout, request, sglang_paths, tmp_path):
+    """Stage full at --layout pp2-ep2: each pipeline stage's source rank broadcasts its layers (the experts gathered
+    over EP 2) into v4rl's engine, which then equals the actor's export after every broadcast; the kill, and the
+    resume from the PP 2 / EP 2 checkpoint Miles saved, as at layout 1."""
+    import math
+
+    miles = request.getfixturevalue(generation)
+    report = rehearse(RehearsalRequest(stage="full", miles_dir=str(miles), work_dir=str(tmp_path),
+                                       dsv4_impl=impl, layout=layout, timeout_s=1800))
+    stage = report.stages["full"]
+    assert stage["ok"], stage["error"]
+    assert sorted(report.rollouts) == FULL_ROLLOUT_IDS
+    assert all(math.isfinite(report.rollouts[r]["train/grad_norm"]) and report.rollouts[r]["train/grad_norm"] > 0
+               for r in FULL_ROLLOUT_IDS), report.rollouts
+    assert [(c["run"], c["version"]) for c in report.weight_checks] == [
+        ("run-1", 1), ("run-1", 2), ("run-1", 3), ("resume", 1), ("resume", 2)]
+    assert all(c["ok"] and c["tensors_sent"] > 0 for c in report.weight_checks), report.weight_checks
+    assert report.resumed_from == {"latest_checkpointed_iteration": 1, "rollout_id": 2,
+                                   "export_equals_last_before_kill": True, "training_moved_the_export": True}
+    assert sorted(p.name for p in (tmp_path / "broadcasts" / "run-1").glob("broadcast-v1.*")) == [
+        "broadcast-v1.json", "broadcast-v1.pp0.safetensors", "broadcast-v1.pp1.safetensors"]
 
 
 def _miles_sending_zero_tid2eid(miles: Path, tmp_path: Path) -> Path:

@@ -177,20 +177,87 @@ def _cpu_rng(module):
 def _in_process_store(module):
     """A one-rank process group (Miles' idle train actor) rendezvouses through an in-process HashStore instead of
     the env:// TCPStore, whose server PyTorch binds to every interface with no option to choose one: nothing of
-    a rehearsal listens beyond 127.0.0.1. Groups of more ranks keep their own store."""
+    a rehearsal listens beyond 127.0.0.1. The actor's ranks of a multi-rank layout (job.py LAYOUTS) rendezvous
+    through a FileStore under V4RL_REHEARSAL_STORE_DIR (one file per MASTER_ADDR:MASTER_PORT, the address Miles
+    gave the ranks); other env:// groups of more ranks, and every group given its own store or address (Miles'
+    weight-update group with the engine: tcp://), keep theirs."""
     real = module.init_process_group
 
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
                            *args, **kwargs):
         size = world_size if world_size != -1 else int(os.environ.get("WORLD_SIZE", "-1"))
-        if store is None and init_method in (None, "env://") and size == 1:
+        if store is None and init_method in (None, "env://") and size >= 1:
             import torch.distributed as dist  # complete by the time a group is made
 
-            store, rank, world_size = dist.HashStore(), 0, 1
+            store_dir = os.environ.get("V4RL_REHEARSAL_STORE_DIR")
+            if size == 1:
+                store, rank, world_size = dist.HashStore(), 0, 1
+            elif store_dir:
+                os.makedirs(store_dir, exist_ok=True)
+                name = f"{os.environ['MASTER_ADDR']}-{os.environ['MASTER_PORT']}"
+                rank = rank if rank != -1 else int(os.environ["RANK"])
+                store, world_size = dist.FileStore(os.path.join(store_dir, name), size), size
         return real(backend, None if store is not None else init_method, timeout, world_size, rank, store,
                     *args, **kwargs)
 
     module.init_process_group = init_process_group
+    _split_sizes_as_ints(module)
+
+
+def _split_sizes_as_ints(module):
+    """Megatron's MoE all-to-all (tensor_parallel/mappings.py _AllToAll, from the alltoall token dispatcher with
+    EP > 1) passes its split sizes as CPU tensors; the torch of Miles' images takes any sequence of ints there,
+    this machine's torch 2.13 binding only ints (TypeError: all_to_all_single(): incompatible function arguments).
+    The same sizes as Python ints; the tensors exchanged are unchanged."""
+    real = module.all_to_all_single
+
+    def ints(sizes):
+        return sizes.tolist() if hasattr(sizes, "tolist") else sizes
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        return real(output, input, ints(output_split_sizes), ints(input_split_sizes), *args, **kwargs)
+
+    module.all_to_all_single = all_to_all_single
+
+
+TORCH_RENAMED_COLLECTIVES = ("all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+                             "reduce_scatter_single_coalesced", "all_to_all_single")
+"""ProcessGroup methods this machine's torch (2.13) calls for all_gather_into_tensor, reduce_scatter_tensor and
+all_to_all_single, where the torch of Miles' images calls _allgather_base, _reduce_scatter_base, alltoall_base."""
+
+
+def _forward_renamed_collectives(module):
+    """Miles wraps every non-gloo process group of more than one rank in its ReloadableProcessGroup
+    (miles/utils/reloadable_process_group.py: a bare ProcessGroup subclass that forwards each collective method to
+    the real group by name). It forwards the older torch's method names; torch 2.13 (this venv's) calls renamed ones
+    (TORCH_RENAMED_COLLECTIVES), which then hit the bare base class: `No backend type associated with device type
+    cpu`, first in Megatron's MoE dispatcher (token_dispatcher.py:587). The same forwarding, for the new names;
+    the groups, their members and what is sent are Miles' and Megatron's. Only layouts of more than one rank wrap
+    groups (a one-rank group stays bare): the substitution table lists it there."""
+    cls = getattr(module, "ReloadableProcessGroup", None)
+    if cls is None or not hasattr(cls, "_fwd"):
+        return
+    for name in TORCH_RENAMED_COLLECTIVES:
+        if name not in vars(cls):
+            setattr(cls, name, lambda self, *a, _name=name, **kw: self._fwd(_name, *a, **kw))
+
+
+ROUTER_READY_TIMEOUT_S = 300
+"""Seconds Miles waits for the sglang-router it spawns to accept connections (Miles: 30)."""
+
+
+def _patient_router_start(module):
+    """Miles spawns its sglang-router in a fresh interpreter (multiprocessing spawn) and gives it 30 s to listen
+    (miles/ray/rollout/router_manager.py start_router: wait_for_server_ready(..., timeout=30)). On 2 shared cores,
+    with 4 actor ranks importing torch and Megatron at the same moment (--layout pp2-ep2), the spawned interpreter
+    took longer: `Server at 127.0.0.1:<port> not ready after 30s`, twice. The same wait (a dead router still fails
+    at once), ROUTER_READY_TIMEOUT_S long; nothing else of the start changes."""
+    real = module.wait_for_server_ready
+
+    def wait_for_server_ready(host, port, process=None, timeout=30):
+        return real(host, port, process, timeout=max(timeout, ROUTER_READY_TIMEOUT_S))
+
+    module.wait_for_server_ready = wait_for_server_ready
 
 
 def _skip_dashboard_columns(module):
@@ -224,7 +291,7 @@ def _record_broadcasts(module):
         sent.clear()
         result = real_update(self, *args, **kwargs)
         if sent:
-            _write_broadcast(out, engine, self.weight_version, dict(sent))
+            _write_broadcast(out, engine, self.weight_version, dict(sent), *_pipeline_stage())
         sent.clear()
         return result
 
@@ -278,20 +345,45 @@ BROADCAST_CHECKSUM_TIMEOUT_S = 300
 """Seconds the engine may take to checksum its runtime tensors after a broadcast (a tiny model: well under one)."""
 
 
-def _write_broadcast(out, engine, version, sent):
+BROADCAST_PARTS_TIMEOUT_S = 300
+"""Seconds the first pipeline stage's recorder waits for the other stages' parts of the same broadcast."""
+
+
+def _pipeline_stage():
+    """(this rank's pipeline stage, the number of stages): with PP > 1 each stage's source rank broadcasts its own
+    layers into the engine (Miles' group miles-pp_<stage>), so each records its own part."""
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+
+
+def _write_broadcast(out, engine, version, sent, stage=0, stages=1):
+    """Stage `stage`'s part of broadcast `version` (broadcast-v<version>.safetensors, with PP > 1
+    broadcast-v<version>.pp<stage>.safetensors); stage 0 then waits for every other stage's part and writes the
+    record (broadcast-v<version>.json: the parts and the engine's checksums, asked once all stages have sent:
+    Miles' update_weights ends with a barrier of all ranks)."""
+    import time
     import urllib.request
 
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"broadcast-v{version}")
-    save_file(sent, stem + ".safetensors.tmp")
-    os.replace(stem + ".safetensors.tmp", stem + ".safetensors")
+    parts = [stem + (f".pp{i}" if stages > 1 else "") + ".safetensors" for i in range(stages)]
+    save_file(sent, parts[stage] + ".tmp")
+    os.replace(parts[stage] + ".tmp", parts[stage])
+    if stage != 0:
+        return
+    deadline = time.monotonic() + BROADCAST_PARTS_TIMEOUT_S
+    while not all(os.path.exists(part) for part in parts):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast v{version}: the other pipeline stages' parts never came ({parts})")
+        time.sleep(0.2)
     request = urllib.request.Request(engine + "/weights_checker", data=json.dumps({"action": "checksum"}).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=BROADCAST_CHECKSUM_TIMEOUT_S) as reply:
         ranks = json.load(reply)["ranks"]
-    record = {"version": int(version), "tensors": os.path.basename(stem) + ".safetensors",
+    record = {"version": int(version), "tensors": [os.path.basename(part) for part in parts],
               "engine_checksums": ranks[0]["checksums"]}
     with open(stem + ".json.tmp", "w") as f:
         json.dump(record, f)
@@ -299,7 +391,9 @@ def _write_broadcast(out, engine, version, sent):
 
 
 _AFTER_IMPORT_ALWAYS = {"miles.ray.train_actor": _cpu_device, "megatron.core.tensor_parallel.random": _cpu_rng,
-                        "torch.distributed.distributed_c10d": _in_process_store}
+                        "torch.distributed.distributed_c10d": _in_process_store,
+                        "miles.utils.reloadable_process_group": _forward_renamed_collectives,
+                        "miles.ray.rollout.router_manager": _patient_router_start}
 _WORKAROUNDS = {"placement": ("miles.ray.placement_group", _place_idle_actor),
                 "dashboard": ("miles.ray.rollout.debug_data", _skip_dashboard_columns),
                 "broadcast_bucket": ("miles.backends.megatron_utils.update_weight.update_weight_from_distributed.mixin",

@@ -60,6 +60,7 @@ def patch_device(device: dict) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.is_current_stream_capturing = lambda: False  # no CUDA graphs on a CPU (Megatron's p2p asks, PP > 1)
     torch.cuda.manual_seed = lambda *a, **k: None
     torch.cuda.manual_seed_all = lambda *a, **k: None
     import torch._dynamo
