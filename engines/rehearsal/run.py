@@ -190,7 +190,8 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
 
 
 def _measure_noise(hf: Path, preset, report: RehearsalReport, log) -> LogprobNoise:
-    """The bf16 noise of the tiny model at the job's temperature, and the |Δlogprob| bound from it (a few s)."""
+    """The tiny model's logprob noise at the job's temperature (bf16; FP8 re-quantization as Miles broadcasts) and
+    the |Δlogprob| bounds from it, logged and kept in the report (under a minute on 2 cores)."""
     noise = measure_logprob_noise(hf, rehearsal_prompts(), temperature=preset.data.temperature,
                                   samples_per_prompt=ROLLOUT_SIZES["n_samples_per_prompt"],
                                   max_new_tokens=ROLLOUT_SIZES["rollout_max_response_len"])
