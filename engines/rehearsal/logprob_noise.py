@@ -106,8 +106,8 @@ MILES_BF16_SENT = ("attn.wo_a.weight",)
 
 def _requantized_as_miles_broadcasts(hf: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's weights in fp32, each quantized one (but MILES_BF16_SENT) as Miles' broadcast sends it: FP8
-    e4m3 blocks of 128x128 with float32 amax/448 scales, dequantized again."""
-    from checkpoints.hf import QuantizedTensor, load_hf_checkpoint
+    e4m3 blocks of FP8_BLOCK (128x128) with float32 amax/448 scales, dequantized again."""
+    from checkpoints.hf import FP8_BLOCK, QuantizedTensor, load_hf_checkpoint
     from checkpoints.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
     _, raw = load_hf_checkpoint(hf, dequantize=False)
@@ -120,7 +120,7 @@ def _requantized_as_miles_broadcasts(hf: Path) -> dict[str, torch.Tensor]:
         if name.endswith(MILES_BF16_SENT):
             state[name] = w
         else:
-            q, scale = quantize_fp8_blockwise(w, block=(128, 128), scale_fmt="fp32")
+            q, scale = quantize_fp8_blockwise(w, block=FP8_BLOCK, scale_fmt="fp32")
             state[name] = dequantize_fp8_blockwise(q, scale, out_dtype=torch.float32)
     return state
 

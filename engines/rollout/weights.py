@@ -36,10 +36,10 @@ from checkpoints.hf import (
     read_config,
     read_stored_tensors,
 )
-from engines.model import DeepseekV4, ModelConfig
-from engines.model.params import ParamSpec, native_param_specs
 from checkpoints.names import native_to_sglang_name
 from checkpoints.quant import dequantize_fp8_blockwise, fp8_to_fnuz, tensor_checksum
+from engines.model import DeepseekV4, ModelConfig
+from engines.model.params import ParamSpec, native_param_specs
 
 
 class WeightUpdateError(ValueError):
