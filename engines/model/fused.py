@@ -25,6 +25,7 @@ with one warning. The check's verdict is kept beside the library for later proce
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -103,10 +104,17 @@ def _check_file(signature: str) -> Path | None:
     paths it compares (engines/model/*.py: the torch ops, the fused calls, the check itself)."""
     if _library.path is None or not check_cache_enabled():
         return None
-    digest = hashlib.sha256(f"{signature}\0{torch.__version__}".encode())
+    key = hashlib.sha256(f"{signature}\0{torch.__version__}\0{_model_code_digest()}".encode()).hexdigest()[:16]
+    return Path(_library.path).with_name(f"{Path(_library.path).stem}.check-{key}.json")
+
+
+@functools.cache
+def _model_code_digest() -> str:
+    """sha256 of engines/model/*.py, read once per process (saved_check and save_check both ask)."""
+    digest = hashlib.sha256()
     for source in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    return Path(_library.path).with_name(f"{Path(_library.path).stem}.check-{digest.hexdigest()[:16]}.json")
+    return digest.hexdigest()
 
 
 def saved_check(signature: str) -> bool | None:
