@@ -167,9 +167,9 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         if not (hf_full / "config.json").is_file():
             make_tiny_checkpoint(hf_full, expert_dtype="fp8")
         paths = RehearsalPaths(hf_full, train, evals, work)
-    noise = _measure_noise(paths.hf_checkpoint, preset, report, log) if req.stage != "rollout" else None
-    if req.stage == "full":
+        noise = _measure_noise(hf_full, preset, report, log)
         return _full(req, preset, paths, miles, megatron, impl_args, report, noise, log)
+    noise = _measure_noise(hf, preset, report, log) if req.stage == "train" else None
     for stage in stages:
         if stage == "train" and not report.stages.get("rollout", {"ok": True})["ok"]:
             report.stages["train"] = {"ok": False, "seconds": 0.0, "error": "not run: stage rollout failed"}
