@@ -114,11 +114,19 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _flat_rows(idx: torch.Tensor, rows_per_batch: int) -> torch.Tensor:
+    """idx [B,S,K] (>= 0) into each batch's rows -> the same picks as indices into the [B * rows, D] flattening."""
+    offsets = torch.arange(idx.shape[0], device=idx.device).view(-1, 1, 1) * rows_per_batch
+    return (idx + offsets).reshape(-1)
+
+
 def _gather_rows(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """kv [B,Skv,D], idx [B,S,K] (>= 0) -> the rows kv[b, idx[b,s,k]] as [B,S,K,D]."""
+    """kv [B,Skv,D], idx [B,S,K] (>= 0) -> the rows kv[b, idx[b,s,k]] as [B,S,K,D]. One index_select over the
+    flattened rows: a torch.gather over kv expanded to [B,S,Skv,D] reads the same rows but costs S x Skv x D on the
+    CPU (it dominated Miles' train step in the rehearsal)."""
     B, S, K = idx.shape
-    return torch.gather(kv.unsqueeze(1).expand(B, S, *kv.shape[1:]), 2,
-                        idx.unsqueeze(-1).expand(B, S, K, kv.shape[-1]))
+    D = kv.shape[-1]
+    return kv.reshape(-1, D).index_select(0, _flat_rows(idx, kv.shape[1])).view(B, S, K, D)
 
 
 def sparse_mqa_fwd_interface(q, kv, attn_sink, topk_idxs, sm_scale=None, **kwargs):
@@ -161,8 +169,7 @@ def sparse_mqa_bwd_interface(q, kv, attn_sink, o, do, topk_idxs, lse, sm_scale=N
     dq = scale * torch.einsum("bshk,bskd->bshd", ds, rows)
     d_rows = scale * torch.einsum("bshk,bshd->bskd", ds, qa) + torch.einsum("bshk,bshd->bskd", p, doa)
     dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-    flat = (safe + torch.arange(B, device=kv.device).view(B, 1, 1) * kv.shape[1]).reshape(-1)
-    dkv.view(-1, D).index_add_(0, flat, d_rows.reshape(-1, D))
+    dkv.view(-1, D).index_add_(0, _flat_rows(safe, kv.shape[1]), d_rows.reshape(-1, D))
     p_sink = torch.exp(attn_sink.to(acc).view(1, 1, H) - lse_e)
     d_sink = -(p_sink * delta).sum((0, 1))
     return dq.to(q.dtype), dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
@@ -199,8 +206,7 @@ def batched_indexer_bwd(index_q, weights, index_k, topk_indices, grad_scores):
     grad_w = (dots.clamp_min(0) * g.unsqueeze(2)).sum(-1).transpose(0, 1)
     d_keys = torch.einsum("bsht,bshd->bstd", r, q)
     grad_k = torch.zeros(B, index_k.shape[0], D, dtype=acc, device=index_k.device)
-    flat = (safe + torch.arange(B, device=index_k.device).view(B, 1, 1) * index_k.shape[0]).reshape(-1)
-    grad_k.view(-1, D).index_add_(0, flat, d_keys.reshape(-1, D))
+    grad_k.view(-1, D).index_add_(0, _flat_rows(safe, index_k.shape[0]), d_keys.reshape(-1, D))
     return grad_q.to(index_q.dtype), grad_w.to(_acc(weights.dtype)), grad_k.transpose(0, 1)
 
 
