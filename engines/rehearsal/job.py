@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +32,12 @@ from engines.train.miles.jobs import with_flags, without_flags
 
 DEVICE = {"name": "AMD Instinct MI355X", "total_memory": 288 * 2**30, "capability": [9, 5]}
 """What torch.cuda answers in the rehearsal's processes (Megatron's validate_args asks): the cluster's MI355X."""
-ROLLOUT_SIZES = {"num_rollout": 2, "rollout_batch_size": 4, "n_samples_per_prompt": 4, "rollout_max_response_len": 24,
+ROLLOUT_SIZES = {"num_rollout": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_max_response_len": 24,
                  "n_samples_per_eval_prompt": 4, "eval_max_response_len": 24, "eval_interval": 1}
-"""A few rollouts of a few short samples: two rollouts with an eval before each, ~1 minute of decoding on 2 cores."""
+"""A few rollouts of a few short samples: two rollouts of 2 prompts x 2 samples (GRPO groups of 2) with an eval
+before and after each (4 prompts x 4 samples: pass@1/2/4). Miles' actor trains one sample per micro-batch, padded
+to 256 tokens (--qkv-format bshd pads to the HCA ratio, 128; prompts are 129 tokens so the HCA layer compresses
+one block), so a train step costs about 4 s a sample on 2 cores with Megatron's unfused attention."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
                                                 "(checkpoints/convert.py, the names of this Miles generation)"),
         ("--load", str(paths.work / "save"), "work dir of this rehearsal"),
         ("--save", str(paths.work / "save"), "work dir of this rehearsal"),
-        *[(f"--{k.replace('_', '-')}", v, "sizes a CPU decodes in about a minute") for k, v in ROLLOUT_SIZES.items()],
+        *[(f"--{k.replace('_', '-')}", v, "sizes a CPU decodes and trains in minutes") for k, v in ROLLOUT_SIZES.items()],
         ("--actor-num-nodes", 1, "one machine (Ray logical GPUs)"),
         ("--actor-num-gpus-per-node", world, f"one machine (Ray logical GPUs): {lay.why}"),
         ("--num-gpus-per-node", world, f"one machine (Ray logical GPUs): {lay.why}"),
@@ -207,6 +211,9 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
             "torch's TCPStore server listens on every interface with no option to choose one; a file rendezvous "
             "keeps the rehearsal on loopback, the ranks and groups are Miles' and Megatron's own"))
         subs += [RENAMED_COLLECTIVES_ROW, SPLIT_SIZES_ROW]
+    env["OMP_NUM_THREADS"] = str(actor_threads(world))
+    subs.append(Substitution("OMP_NUM_THREADS", cluster_job.env.get("OMP_NUM_THREADS", RAY_THREADS),
+                             env["OMP_NUM_THREADS"], THREADS_WHY))
     subs.append(Substitution("PYTHONPATH", cluster_job.env.get("PYTHONPATH", ""),
                              "bootstrap (CPU stand-ins) : Miles : Megatron-LM : SGLang 0.5.23 source : v4rl",
                              "stand-ins injected from outside (sitecustomize), Miles' files unmodified"))
@@ -217,6 +224,17 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     subs.append(Substitution("NCCL_*/RCCL, *_SOCKET_IFNAME", "the cluster's", "(dropped)",
                              "no GPUs, no fabric: process groups are gloo on 127.0.0.1"))
     return RehearsalJob(argv=argv, env=env, substitutions=subs, ray=ray)
+
+
+RAY_THREADS = "(unset: Ray sets an actor's to its reserved CPUs, 1 here)"
+THREADS_WHY = ("the actor computes on the CPU: torch's intra-op threads are this machine's cores shared by the "
+               "actor's ranks (Ray's default, one per reserved CPU, left a core idle while training); rollout and "
+               "training take turns, so the cores are free")
+
+
+def actor_threads(ranks: int) -> int:
+    """torch threads per actor rank: this machine's cores over the ranks, at least 1."""
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 ROUTER_READY_ROW = Substitution(

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 import socket
@@ -242,6 +243,8 @@ def test_layout_pp2_ep2_sets_the_parallel_flags_gpus_and_rows(tmp_path, stage):
     assert "--tensor-model-parallel-size" not in rows  # TP 1 on the cluster too
     assert rows["Ray"][1] == "local head, logical GPUs (--num-gpus 4)" and job.ray == {"num_gpus": 4, "num_cpus": 7}
     assert job.env["GLOO_SOCKET_IFNAME"] == "lo" and rows["GLOO_SOCKET_IFNAME"][1] == "lo"
+    # the machine's cores shared by the 4 ranks (Ray alone would give each rank 1 thread)
+    assert rows["OMP_NUM_THREADS"][1] == job.env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
     assert Path(job.env["V4RL_REHEARSAL_STORE_DIR"]).parent == tmp_path / "stores"
 
 
@@ -296,6 +299,7 @@ def test_layout_1_is_todays_single_gpu_job(tmp_path):
             flags["--actor-num-gpus-per-node"]) == (["1"], ["1"], ["1"])
     assert "--pipeline-model-parallel-layout" not in flags and job.ray == {"num_gpus": 2, "num_cpus": 4}
     assert "GLOO_SOCKET_IFNAME" not in job.env and "V4RL_REHEARSAL_STORE_DIR" not in job.env
+    assert job.env["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)  # one rank: every core while it trains
 
 
 def test_an_unknown_layout_is_one_line():
