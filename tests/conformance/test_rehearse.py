@@ -1,5 +1,6 @@
-"""`v4rl rehearse` (engines/rehearsal/): bad input is one line before anything starts; the rollout stage itself
-(Miles' own train.py --debug-rollout-only against v4rl's engine on local Ray) is `slow`.
+"""`v4rl rehearse` (engines/rehearsal/): bad input is one line before anything starts; stage full of generation 1
+(Miles' own train.py in its normal loop against v4rl's engine on local Ray, killed and resumed; about 3 minutes on 2
+cores) runs by default; the other stages, models and layouts are `slow` (`-m slow`, run before resolving).
 
     .venv/bin/python -m pytest tests/conformance/test_rehearse.py -q
 """
@@ -394,10 +395,14 @@ def test_train_stage_trains_at_a_multi_rank_layout(generation, impl, layout, req
 
 
 FULL_ROLLOUT_IDS = ["0", "1", "2"]
+FULL_IN_THE_DEFAULT_RUN = "gen1"
+"""Stage full in the default run: generation 1, the vendored default `v4rl rehearse` runs and the presets' generation
+(2 min 46 s for the stage on the idle 2-core machine, 6.2 GiB summed RSS at peak); the other two are `slow`."""
+FULL_IMPLS = [p if p.id == FULL_IN_THE_DEFAULT_RUN else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+              for p in MODEL_IMPLS]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("generation,impl", MODEL_IMPLS)
+@pytest.mark.parametrize("generation,impl", FULL_IMPLS)
 def test_full_stage_runs_miles_loop_kill_and_resume(generation, impl, request, sglang_paths, tmp_path):
     """Stage 3, each generation and implementation: Miles' normal loop against v4rl's engine, a kill after
     rollout 1's save, the resume from --load at rollout 2; the engine equals the actor's export after every
