@@ -177,3 +177,27 @@ def test_a_generation_2_checkout_gets_its_impl_and_megatrons_cpu_kernels():
     assert dsv4_impl_args(GEN2, "megatron") == ["--dsv4-impl", "megatron", "--dsa-kernel-backend", "none"]
     with pytest.raises(MilesGenerationError, match="declares miles|megatron"):
         dsv4_impl_args(GEN2, "tilelang")
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_megatron_fit_names_the_first_module_level_import_the_megatron_lacks(tmp_path):
+    from engines.train.miles.megatron_fit import megatron_misfit
+
+    miles = _tree(tmp_path / "miles", {
+        "train.py": "from megatron.core import mpu\n",
+        "miles/backends/args.py": "import os\nfrom megatron.core.tokenizers.utils.build_tokenizer import build\n",
+        "miles/optional.py": "try:\n    from megatron.core.absent import x\nexcept ImportError:\n    x = None\n"
+                             "def f():\n    import megatron.also_absent\n",
+        "miles/relative.py": "from .megatron import y\n"})
+    megatron = _tree(tmp_path / "meg", {"megatron/__init__.py": "", "megatron/core/__init__.py": ""})
+    assert megatron_misfit(miles, megatron) == (
+        f"miles/backends/args.py:2 imports megatron.core.tokenizers.utils.build_tokenizer, which the Megatron-LM at "
+        f"{megatron} lacks")
+    _tree(megatron, {"megatron/core/tokenizers/utils/build_tokenizer.py": ""})
+    assert megatron_misfit(miles, megatron) is None  # try/except and function-level imports are Miles' optional ones

@@ -34,6 +34,7 @@ from engines.rehearsal.ray_session import RAY_ENV, RaySession
 from engines.rehearsal.logprob_noise import LogprobNoise, logprob_diff_problem, measure_logprob_noise
 from engines.rehearsal.tiny_model import make_tiny_checkpoint
 from engines.train.miles.generation import MilesGenerationError, detect_generation, dsv4_impl_args
+from engines.train.miles.megatron_fit import megatron_misfit
 
 BOOTSTRAP = Path(__file__).with_name("bootstrap")
 STUB_ROOTS = (*GPU_ONLY_ROOTS, "sglang.srt.entrypoints.openai.encoding_dsv4", "sglang.srt.model_loader.parameter_mapper",
@@ -107,6 +108,12 @@ def resolve_trees(req: RehearsalRequest) -> tuple[Path, Path, int]:
         raise RehearsalError(str(exc)) from None
     if not (miles / "train.py").is_file():
         raise RehearsalError(f"{miles} has no train.py: not a Miles checkout; point --miles-dir at its repository root")
+    misfit = megatron_misfit(miles, megatron)
+    if misfit:
+        pin = src.MILES_GENERATIONS[gen][1]
+        raise RehearsalError(f"the Megatron-LM does not fit this Miles (generation {gen}): {misfit}; point "
+                             f"--megatron-dir (or ${pin.env}) at the Megatron-LM this Miles pins (generation {gen} "
+                             f"was built with {pin.repo} at {pin.short})")
     return miles, megatron, gen
 
 

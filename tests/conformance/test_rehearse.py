@@ -44,6 +44,26 @@ def test_megatron_dir_that_is_not_megatron(miles_tree, tmp_path):
     assert "megatron/training/arguments.py" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("miles,megatron,lacks,pinned", [
+    ("miles_gen2_tree", "megatron_tree", "megatron.core.tokenizers.utils.build_tokenizer", "6184c094a"),
+    ("miles_tree", "megatron_gen2_tree", "megatron.training.tokenizer.tokenizer", "2e64d788b")])
+def test_a_megatron_lm_that_does_not_fit_the_miles_generation_is_one_line(miles, megatron, lacks, pinned, request):
+    """The other generation's Megatron-LM: refused before anything starts, naming Miles' import and the pinned pair
+    (else a ModuleNotFoundError in Miles' first Ray actor, 35 s into the stage)."""
+    with pytest.raises(RehearsalError) as err:
+        resolve_trees(RehearsalRequest(miles_dir=str(request.getfixturevalue(miles)),
+                                       megatron_dir=str(request.getfixturevalue(megatron))))
+    line = str(err.value)
+    assert "does not fit this Miles" in line and lacks in line and pinned in line and "\n" not in line, line
+    assert "miles/backends/megatron_utils/arguments.py:" in line, line
+
+
+def test_the_pinned_pairs_fit(miles_tree, megatron_tree, miles_gen2_tree, megatron_gen2_tree):
+    assert resolve_trees(RehearsalRequest(miles_dir=str(miles_tree), megatron_dir=str(megatron_tree)))[2] == 1
+    assert resolve_trees(RehearsalRequest(miles_dir=str(miles_gen2_tree),
+                                          megatron_dir=str(megatron_gen2_tree)))[2] == 2
+
+
 def test_port_in_use_names_the_flag():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
