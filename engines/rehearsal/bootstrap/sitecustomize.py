@@ -73,8 +73,11 @@ def _place_idle_actor(module):
     actor per external engine (0.2 GPU, ray/rollout/server_group.py:91) into a rollout bundle, and with
     --debug-rollout-only create_training_models still places the idle actor (ray/train/actor_factory.py:89):
     IndexError before any rollout. The rehearsal lets Miles' SGLangEngine actors share the actor's logical GPUs.
-    Applied only where V4RL_REHEARSAL_WORKAROUNDS names it; the substitution table lists it."""
-    real = module._get_placement_group_layout
+    Applied only where V4RL_REHEARSAL_WORKAROUNDS names it and this Miles has the function; the substitution table
+    lists it."""
+    real = getattr(module, "_get_placement_group_layout", None)
+    if real is None:  # a Miles without the defective function (e.g. the seed's PR-head): nothing to work around
+        return
 
     def layout(args):
         if args.rollout_external and not args.debug_train_only:
@@ -252,7 +255,9 @@ def _patient_router_start(module):
     with 4 actor ranks importing torch and Megatron at the same moment (--layout pp2-ep2), the spawned interpreter
     took longer: `Server at 127.0.0.1:<port> not ready after 30s`, twice. The same wait (a dead router still fails
     at once), ROUTER_READY_TIMEOUT_S long; nothing else of the start changes."""
-    real = module.wait_for_server_ready
+    real = getattr(module, "wait_for_server_ready", None)
+    if real is None:  # a Miles that waits for its router otherwise
+        return
 
     def wait_for_server_ready(host, port, process=None, timeout=30):
         return real(host, port, process, timeout=max(timeout, ROUTER_READY_TIMEOUT_S))
@@ -427,7 +432,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             real_exec(module)
-            patch(module)
+            try:
+                patch(module)
+            except Exception as exc:  # one line naming the patch, not a traceback through Miles' import
+                raise RuntimeError(f"v4rl's rehearsal bootstrap cannot apply {patch.__name__} to {name}: "
+                                   f"{type(exc).__name__}: {exc}; this Miles' code differs from the generations "
+                                   "the rehearsal knows (docs/rehearsal.md)") from None
 
         spec.loader.exec_module = exec_module
         return spec
