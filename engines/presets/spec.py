@@ -155,9 +155,9 @@ class MilesSettings:
     before it submits the Ray job: Miles' own train.py on local Ray, v4rl's engine as its SGLang, this run's job
     changed only where a CPU must differ (docs/rehearsal.md), with the Miles checkout there (miles_check_dir, else
     $V4RL_MILES_DIR or the vendored pins). A failed rehearsal stops the run before any GPU is allocated. None: no
-    rehearsal, every preset's default, because it costs minutes of the flow host's CPU (rollout ~2 min and ~5 GiB
-    on 2 cores, train ~5 min) and needs Miles, Megatron-LM and SGLang sources there; turn it on for the first run
-    of a Miles checkout, preset or layout. The embedded tiny-cpu preset has no Miles job and never rehearses."""
+    rehearsal, every preset's default, because it costs minutes of the flow host's CPU (on 2 cores: rollout ~1.5
+    min and ~5 GiB, full ~3-4 min and ~6.4 GiB) and needs Miles, Megatron-LM and SGLang sources there; turn it on
+    for the first run of a Miles checkout, preset or layout. The embedded tiny-cpu preset has no Miles job and never rehearses."""
 
 
 @dataclass(frozen=True, kw_only=True)
