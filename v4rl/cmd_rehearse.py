@@ -64,6 +64,8 @@ def register(app: typer.Typer) -> None:
         except RehearsalError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1) from None
+        except KeyboardInterrupt:  # rehearse() stopped what it started and said where its work is
+            raise typer.Exit(code=130) from None
         typer.echo(substitution_table(report.substitutions))
         for line in metrics_summary(MilesMetrics(report.rollouts, report.evals)):
             typer.echo(line)

@@ -26,7 +26,11 @@ class RaySession:
         self._log = log.open("w")
         self.process = subprocess.Popen(cmd, env={**os.environ, **env, **RAY_ENV}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_ready(log)
+        try:
+            self._wait_ready(log)
+        except BaseException:  # it did not come up, or the rehearsal was interrupted (Ctrl-C): nothing stays up
+            self.stop()
+            raise
 
     def _wait_ready(self, log: Path) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -37,7 +41,6 @@ class RaySession:
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
                 raise RuntimeError(f"`ray start` exited with {self.process.returncode}: {tail[0]}")
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"Ray did not start within {START_TIMEOUT_S:.0f}s (log: {log})")
 
     def stop(self) -> None:

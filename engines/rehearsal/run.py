@@ -4,7 +4,7 @@
     report.stages["rollout"]["ok"], report.rollouts, report.evals
 
 Every process it starts (the engine, Ray, Miles' driver) is stopped in `finally`, by PID or by its own process
-group; every wait has a timeout. A failure is one line in `RehearsalError`: Miles' own error line where it printed
+group, Ctrl-C included (it then logs where the work dir is kept and re-raises); every wait has a timeout. A failure is one line in `RehearsalError`: Miles' own error line where it printed
 one (engine_sources.engine_error), else the stage and what timed out.
 """
 
@@ -161,6 +161,16 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
     work = Path(req.work_dir or tempfile.mkdtemp(prefix="v4rl-rehearse-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     report = RehearsalReport(generation=gen, miles_dir=str(miles), work_dir=str(work))
+    try:
+        return _run_stages(req, preset, miles, megatron, gen, given_data, impl_args, work, report, log)
+    except KeyboardInterrupt:  # every process a stage started was stopped on the way out (their `finally`)
+        log(f"interrupted: every process this rehearsal started is stopped; its logs and what it wrote are kept in "
+            f"{work}")
+        raise
+
+
+def _run_stages(req, preset, miles, megatron, gen, given_data, impl_args, work, report, log) -> RehearsalReport:
+    """The checkpoint, data and noise in `work`, then each stage of `req.stage` (rehearse's body)."""
     hf = work / "hf"
     if not (hf / "config.json").is_file():
         log(f"tiny checkpoint -> {hf}")
@@ -418,15 +428,19 @@ def _start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(src.REPO)})
     deadline = time.monotonic() + ENGINE_START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RehearsalError(f"engine: `v4rl serve-rollout` exited with {proc.returncode}: "
-                                 f"{src.engine_error(log.read_text(errors='replace'))}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(1)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RehearsalError(f"engine: `v4rl serve-rollout` exited with {proc.returncode}: "
+                                     f"{src.engine_error(log.read_text(errors='replace'))}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    return proc
+            except OSError:
+                time.sleep(1)
+    except KeyboardInterrupt:  # Ctrl-C while the engine starts: it does not stay up
+        _stop(proc)
+        raise
     _stop(proc)
     raise RehearsalError(f"engine: `v4rl serve-rollout` did not answer /health within {ENGINE_START_S:.0f}s ({log})")
 
@@ -470,19 +484,23 @@ def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: flo
         proc = subprocess.Popen([sys.executable, str(miles / "train.py"), *argv], cwd=work, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
         deadline, watch = time.monotonic() + timeout, _RefusalWatch(engine_log)
-        while (code := proc.poll()) is None:
-            refusal = watch.first()
-            if refusal:  # Miles retries a refused request for a minute: stop now and say why
-                _stop(proc)
-                return f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})"
-            if kill_when is not None and kill_when():
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-                return None
-            if time.monotonic() > deadline:
-                _stop(proc)
-                return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"
-            time.sleep(0.5)
+        try:
+            while (code := proc.poll()) is None:
+                refusal = watch.first()
+                if refusal:  # Miles retries a refused request for a minute: stop now and say why
+                    _stop(proc)
+                    return f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})"
+                if kill_when is not None and kill_when():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(30)
+                    return None
+                if time.monotonic() > deadline:
+                    _stop(proc)
+                    return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C (or an error in a check): Miles' driver, in its own session, stops too
+            _stop(proc)
+            raise
     if code != 0:
         text = log.read_text(errors="replace")
         return f"Miles' train.py exited with {code}{_miles_frame(text, miles)}: {src.engine_error(text)}"

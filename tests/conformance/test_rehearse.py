@@ -75,6 +75,39 @@ def test_a_job_flag_this_miles_rejects_is_miles_own_line(miles_seed_pr_tree, meg
     assert error.endswith("Miles' train.py exited with 2: train.py: error: unrecognized arguments: --sglang-tp-size 1")
 
 
+def test_ctrl_c_stops_every_process_the_rehearsal_started_and_says_what_was_kept(miles_tree, sglang_paths,
+                                                                                tmp_path):
+    """SIGINT to `v4rl rehearse` while Miles' driver runs (its own session, so a terminal's Ctrl-C reaches only the
+    CLI): within seconds the CLI exits 130 with one line naming the kept work dir, and nothing it started (the
+    engine, Ray's head and workers, Miles' driver) is left."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    work = tmp_path / "work"
+    cli = subprocess.Popen([sys.executable, "-m", "v4rl.cli", "rehearse", "--miles-dir", str(miles_tree),
+                            "--work-dir", str(work)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (work / "miles.log").is_file() or not (work / "miles.log").stat().st_size:
+            assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
+            time.sleep(0.5)
+        started = psutil.Process(cli.pid).children(recursive=True)
+        os.kill(cli.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        out, err = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 130 and time.monotonic() - interrupted < 40, (cli.returncode, err[-2000:])
+    assert f"interrupted: every process this rehearsal started is stopped; its logs and what it wrote are kept in " \
+           f"{work.resolve()}" in err and "Traceback" not in err, err[-2000:]
+    left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert len(started) >= 3 and not left, [(p.pid, p.cmdline()[:3]) for p in left]
+
+
 def test_port_in_use_names_the_flag():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
