@@ -64,10 +64,12 @@ def test_the_pinned_pairs_fit(miles_tree, megatron_tree, miles_gen2_tree, megatr
                                           megatron_dir=str(megatron_gen2_tree)))[2] == 2
 
 
+@pytest.mark.slow
 def test_a_job_flag_this_miles_rejects_is_miles_own_line(miles_seed_pr_tree, megatron_tree, sglang_paths, tmp_path):
     """The seed's PR-head Miles (a8684732f) has no --sglang-tp-size: the stage fails with Miles' own argparse line
-    (about 40 s: Ray's head, the engine and Miles' imports come first); the bootstrap's workarounds for functions
-    this Miles lacks stand aside instead of failing its imports."""
+    (about 40 s: Ray's head, the engine and Miles' imports come first; `slow`, the default run holds the two parts:
+    test_engine_sources.py's argparse line, and the bootstrap standing aside below); the bootstrap's workarounds
+    for functions this Miles lacks stand aside instead of failing its imports."""
     report = rehearse(RehearsalRequest(miles_dir=str(miles_seed_pr_tree), megatron_dir=str(megatron_tree),
                                        work_dir=str(tmp_path), timeout_s=300))
     error = report.stages["rollout"]["error"]
@@ -268,6 +270,22 @@ def test_a_patch_the_bootstrap_cannot_apply_is_one_line_naming_it(tmp_path):
     assert done.returncode == 1 and last.startswith("RuntimeError: v4rl's rehearsal bootstrap cannot apply "
                                                     "_record_broadcasts to miles.backends."), done.stderr
     assert "AttributeError" in last and "update_weights_from_distributed" in last, last
+
+
+def test_a_workaround_stands_aside_where_miles_lacks_the_function_it_wraps(tmp_path):
+    """The placement workaround against a Miles whose placement module has no _get_placement_group_layout (the
+    seed's PR-head): the module imports as it is, so Miles goes on to its own messages."""
+    from engines.rehearsal.run import BOOTSTRAP
+
+    (tmp_path / "miles" / "ray").mkdir(parents=True)
+    for init in ("miles/__init__.py", "miles/ray/__init__.py"):
+        (tmp_path / init).write_text("")
+    (tmp_path / "miles/ray/placement_group.py").write_text("def create_placement_groups(args):\n    return 'own'\n")
+    env = {"PYTHONPATH": f"{BOOTSTRAP}:{tmp_path}", "PATH": "/usr/bin:/bin", "V4RL_REHEARSAL_WORKAROUNDS": "placement"}
+    done = subprocess.run([sys.executable, "-c", "import miles.ray.placement_group as m; "
+                           "print(m.create_placement_groups(None), hasattr(m, '_get_placement_group_layout'))"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["own", "False"], done.stderr
 
 
 def test_generation_2_job_lays_the_tiny_model_on_one_stage(tmp_path):
