@@ -11,7 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+from engines.train.cluster import LOCAL_RAY_ENV
+
+# The head and Miles' driver both get the local cluster's settings, token authentication disabled among them: Ray
+# 2.60's `ray.init()` leaves a ~/.ray/auth_token, from which a later `ray start` turns token auth on, and then no
+# driver of ours could connect ("InvalidAuthToken"; seen after any earlier `ray.init()` on the machine).
+RAY_ENV = LOCAL_RAY_ENV
 START_TIMEOUT_S = 120.0
 
 
@@ -44,15 +49,20 @@ class RaySession:
         raise TimeoutError(f"Ray did not start within {START_TIMEOUT_S:.0f}s (log: {log})")
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL, to this session's process group (its raylet's workers included)."""
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        """SIGTERM to `ray start --block`, whose own shutdown stops its gcs, raylet and workers (about 2 s; a SIGTERM
+        to its whole group left it waiting on them until the SIGKILL, 15 s later), then SIGKILL to whatever of its
+        process group is left."""
+        self.process.send_signal(signal.SIGTERM)  # a no-op once it has exited and been waited for
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
         self._log.close()

@@ -1,0 +1,43 @@
+"""The rehearsal's own Ray head (engines/rehearsal/ray_session.py) takes a driver whatever the machine's ~/.ray holds.
+
+    .venv/bin/python -m pytest tests/test_rehearsal_ray_session.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from engines.rehearsal.ray_session import RAY_ENV, RaySession
+from engines.rehearsal.run import _ray_temp_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypatch):
+    """Ray 2.60's `ray.init()` writes ~/.ray/auth_token, and a later `ray start` turns token authentication on from
+    it: Miles' driver then failed at its first Ray call ("InvalidAuthToken", stage full in the suite after this
+    machine's first `ray.init()`). The head and the driver get the same RAY_ENV, so they agree."""
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("f" * 64)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    port = _free_port()
+    head = RaySession(_ray_temp_dir(tmp_path / "work"), port=port, num_gpus=2, num_cpus=1, env={},
+                      log=tmp_path / "ray.log")
+    try:
+        driver = subprocess.run(
+            [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}'); "
+                                   "print(ray.cluster_resources()['GPU'])"],
+            env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120)
+    finally:
+        head.stop()
+    assert driver.returncode == 0, driver.stderr[-2000:]
+    assert driver.stdout.strip().splitlines()[-1] == "2.0"
