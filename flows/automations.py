@@ -19,8 +19,8 @@ ZOMBIE_WINDOW_S: int = 600
 """Seconds without a heartbeat after which a running flow run is marked Crashed: 10 minutes, over three
 heartbeats at Prefect's default 180 s frequency, so a loaded node's late heartbeat never crashes a live run.
 A caller with a shorter PREFECT_FLOWS_HEARTBEAT_FREQUENCY may pass a shorter window (above twice the frequency
-in production; a heartbeat can come over 50 s late on a loaded 2-core machine: tests/test_fault_worker_kill.py
-uses 75 s with 30 s heartbeats and deletes the automation afterwards)."""
+in production; a heartbeat came over 45 s late on a loaded 2-core machine: tests/test_fault_worker_kill.py
+uses 105 s with 30 s heartbeats and deletes the automation afterwards)."""
 
 
 def zombie_automation(within_seconds: int = ZOMBIE_WINDOW_S):

@@ -9,10 +9,11 @@ alone does not stop the flow run (checked below: it is still alive, orphaned); t
 losing both, as a node loss or an OOM kill of the whole cgroup does: the worker's group, then every process
 it started (found by a marker in their environment), by PID.
 
-Timing: flow-run heartbeats every 30 s (Prefect's minimum), zombie window 75 s (above twice that, as
-flows/automations.py asks), so the dead run is Crashed 45-80 s after the kill.
+Timing: flow-run heartbeats every 30 s (Prefect's minimum), zombie window 105 s (above twice that, as
+flows/automations.py asks), so the dead run is Crashed 75-110 s after the kill.
 Not shorter: with a 50 s window a live flow run's heartbeat came over 50 s late on a loaded 2-core machine
-(load average 12-16) and the automation Crashed the resumed run (#26).
+(load average 12-16) and the automation Crashed the resumed run (#26); with 75 s the same happened once in a full
+suite run on a fresh clone (2026-12-06: the resumed run Crashed, "no heartbeat for 75s").
 
     .venv/bin/python -m pytest tests/test_fault_worker_kill.py -q
 """
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 POOL = "v4rl-process"
 DEPLOYMENT = "rl-pipeline/tiny-cpu"
 HEARTBEAT_S = 30
-ZOMBIE_WINDOW_S = 75
+ZOMBIE_WINDOW_S = 105
 STEPS = 4
 
 
@@ -250,6 +251,6 @@ def test_worker_killed_mid_training_run_is_crashed_then_resumed(prefect_server, 
                 worker.cleanup()
         _end_leftover_runs(flow_runs)  # after a failure: no zombie holds the deployment's slot for later tests
         try:
-            Automation.read(name=NAME).delete()  # a 75 s window would crash other tests' slower flow runs
+            Automation.read(name=NAME).delete()  # a short window would crash other tests' slower flow runs
         except ValueError:
             pass

@@ -157,7 +157,8 @@ class MilesSettings:
     $V4RL_MILES_DIR or the vendored pins). A failed rehearsal stops the run before any GPU is allocated. None: no
     rehearsal, every preset's default, because it costs minutes of the flow host's CPU (on 2 cores: rollout ~1.5
     min and ~5 GiB, full ~3-4 min and ~6.4 GiB) and needs Miles, Megatron-LM and SGLang sources there; turn it on
-    for the first run of a Miles checkout, preset or layout. The embedded tiny-cpu preset has no Miles job and never rehearses."""
+    for the first run of a Miles checkout, preset or layout. The embedded tiny-cpu preset has no Miles job and
+    never rehearses."""
 
 
 @dataclass(frozen=True, kw_only=True)

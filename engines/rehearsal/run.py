@@ -4,8 +4,9 @@
     report.stages["rollout"]["ok"], report.rollouts, report.evals
 
 Every process it starts (the engine, Ray, Miles' driver) is stopped in `finally`, by PID or by its own process
-group, Ctrl-C included (it then logs where the work dir is kept and re-raises); every wait has a timeout. A failure is one line in `RehearsalError`: Miles' own error line where it printed
-one (engine_sources.engine_error), else the stage and what timed out.
+group, Ctrl-C included (it then logs where the work dir is kept and re-raises); every wait has a timeout. A
+failure is one line in `RehearsalError`: Miles' own error line where it printed one (engine_sources.engine_error),
+else the stage and what timed out.
 """
 
 from __future__ import annotations
