@@ -6,18 +6,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 from engines.rehearsal.ray_session import RAY_ENV, RaySession
 from engines.rehearsal.run import _ray_temp_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.prefect_server import free_port
 
 
 def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypatch):
@@ -29,7 +23,7 @@ def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypa
     (home / ".ray" / "auth_token").write_text("f" * 64)
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    port = _free_port()
+    port = free_port()
     head = RaySession(_ray_temp_dir(tmp_path / "work"), port=port, num_gpus=2, num_cpus=1, env={},
                       log=tmp_path / "ray.log")
     try:
