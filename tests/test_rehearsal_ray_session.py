@@ -9,15 +9,16 @@ import os
 import subprocess
 import sys
 
-from engines.rehearsal.ray_session import RAY_ENV, RaySession
+from engines.rehearsal.ray_session import RaySession
 from engines.rehearsal.run import _ray_temp_dir
+from engines.train.cluster import LOCAL_RAY_ENV
 from tests.prefect_server import free_port
 
 
 def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypatch):
     """Ray 2.60's `ray.init()` writes ~/.ray/auth_token, and a later `ray start` turns token authentication on from
     it: Miles' driver then failed at its first Ray call ("InvalidAuthToken", stage full in the suite after this
-    machine's first `ray.init()`). The head and the driver get the same RAY_ENV, so they agree."""
+    machine's first `ray.init()`). The head and the driver get the same LOCAL_RAY_ENV, so they agree."""
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("f" * 64)
@@ -30,7 +31,7 @@ def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypa
         driver = subprocess.run(
             [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}'); "
                                    "print(ray.cluster_resources()['GPU'])"],
-            env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120)
+            env={**os.environ, **LOCAL_RAY_ENV}, capture_output=True, text=True, timeout=120)
     finally:
         head.stop()
     assert driver.returncode == 0, driver.stderr[-2000:]

@@ -13,10 +13,6 @@ from pathlib import Path
 
 from engines.train.cluster import LOCAL_RAY_ENV
 
-# The head and Miles' driver both get the local cluster's settings, token authentication disabled among them: Ray
-# 2.60's `ray.init()` leaves a ~/.ray/auth_token, from which a later `ray start` turns token auth on, and then no
-# driver of ours could connect ("InvalidAuthToken"; seen after any earlier `ray.init()` on the machine).
-RAY_ENV = LOCAL_RAY_ENV
 START_TIMEOUT_S = 120.0
 
 
@@ -29,7 +25,10 @@ class RaySession:
                "--num-gpus", str(num_gpus), "--num-cpus", str(num_cpus), "--temp-dir", str(temp_dir),
                "--include-dashboard", "false", "--disable-usage-stats"]
         self._log = log.open("w")
-        self.process = subprocess.Popen(cmd, env={**os.environ, **env, **RAY_ENV}, stdout=self._log,
+        # The head gets the local cluster's settings, as Miles' driver does (run.py _stage_env), token auth disabled
+        # among them: Ray 2.60's `ray.init()` leaves a ~/.ray/auth_token, from which a `ray start` turns token auth
+        # on, and then no driver of ours could connect ("InvalidAuthToken").
+        self.process = subprocess.Popen(cmd, env={**os.environ, **env, **LOCAL_RAY_ENV}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_ready(log)

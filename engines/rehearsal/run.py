@@ -31,7 +31,8 @@ from engines.upstream.stubs import GPU_ONLY_ROOTS
 from engines.rehearsal.job import DEVICE, ROLLOUT_SIZES, RehearsalPaths, Substitution, rehearsal_job, \
     rehearsal_layout
 from engines.rehearsal.metrics import read_metrics
-from engines.rehearsal.ray_session import RAY_ENV, RaySession
+from engines.rehearsal.ray_session import RaySession
+from engines.train.cluster import LOCAL_RAY_ENV
 from engines.rehearsal.logprob_noise import LogprobNoise, logprob_diff_problem, measure_logprob_noise
 from engines.rehearsal.tiny_model import make_tiny_checkpoint
 from engines.train.miles.generation import MilesGenerationError, detect_generation, dsv4_impl_args
@@ -300,7 +301,7 @@ def _stage_env(stage: str, job_env: dict, miles: Path, megatron: Path, ray_port:
 
     model = [STANDINS] if stage in ("train", "full") else []
     paths = [BOOTSTRAP, *model, miles, megatron, *src.sglang_paths(), src.REPO]
-    env = {**job_env, **RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
+    env = {**job_env, **LOCAL_RAY_ENV, "PYTHONPATH": os.pathsep.join(map(str, paths)),
            "V4RL_ENGINE_STUBS": str(Path(src.__file__).with_name("stubs.py")),
            "V4RL_STUB_ROOTS": json.dumps(list(STUB_ROOTS) + (list(MODEL_STUB_ROOTS) if model else [])),
            "V4RL_REHEARSAL_DEVICE": json.dumps(DEVICE),
@@ -439,11 +440,11 @@ def _start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
                     return proc
             except OSError:
                 time.sleep(1)
-    except KeyboardInterrupt:  # Ctrl-C while the engine starts: it does not stay up
+        raise RehearsalError(f"engine: `v4rl serve-rollout` did not answer /health within {ENGINE_START_S:.0f}s "
+                             f"({log})")
+    except BaseException:  # not up in time, exited, or Ctrl-C while it starts: nothing of it stays up
         _stop(proc)
         raise
-    _stop(proc)
-    raise RehearsalError(f"engine: `v4rl serve-rollout` did not answer /health within {ENGINE_START_S:.0f}s ({log})")
 
 
 TOLERATED_REFUSALS = ("POST /destroy_weights_update_group",)
@@ -489,19 +490,17 @@ def _run_miles(miles: Path, argv: list[str], env: dict, work: Path, timeout: flo
             while (code := proc.poll()) is None:
                 refusal = watch.first()
                 if refusal:  # Miles retries a refused request for a minute: stop now and say why
-                    _stop(proc)
                     return f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})"
                 if kill_when is not None and kill_when():
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(30)
                     return None
                 if time.monotonic() > deadline:
-                    _stop(proc)
                     return f"Miles' train.py did not finish within {timeout:.0f}s (log: {log})"
                 time.sleep(0.5)
-        except BaseException:  # Ctrl-C (or an error in a check): Miles' driver, in its own session, stops too
-            _stop(proc)
-            raise
+        finally:  # refused, timed out, Ctrl-C or an error in a check: Miles' driver (its own session) stops too
+            if proc.poll() is None:
+                _stop(proc)
     if code != 0:
         text = log.read_text(errors="replace")
         return f"Miles' train.py exited with {code}{_miles_frame(text, miles)}: {src.engine_error(text)}"

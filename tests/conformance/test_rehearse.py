@@ -82,7 +82,6 @@ def test_ctrl_c_stops_every_process_the_rehearsal_started_and_says_what_was_kept
     """SIGINT to `v4rl rehearse` while Miles' driver runs (its own session, so a terminal's Ctrl-C reaches only the
     CLI): within seconds the CLI exits 130 with one line naming the kept work dir, and nothing it started (the
     engine, Ray's head and workers, Miles' driver) is left."""
-    import os
     import signal
     import time
 
