@@ -248,7 +248,12 @@ def _phases(rows: list[dict], trl: TRLSide) -> dict[str, dict[str, float]]:
     return {
         "v4rl": {"rollout": median(r["perf/rollout_time"] for r in rows),
                  "train": median(r["perf/train_time"] for r in rows),
-                 "weight_sync": median(r["perf/update_weights_time"] for r in rows)},
+                 "weight_sync": median(r["perf/update_weights_time"] for r in rows),
+                 # how the trainer computed (engines/train/trainer.py grpo_step): a slower path shows here
+                 "train_threads": median(r["perf/train_threads"] for r in rows),
+                 "train_tokens_per_s": median(r["perf/train_tokens_per_s"] for r in rows),
+                 "train_forwarded_per_token": median(r["perf/train_forwarded_tokens"] / r["perf/train_tokens"]
+                                                     for r in rows)},
         "trl": {"rollout": median(p["rollout_s"] for p in trl.phases),
                 "generate": median(p["generate_s"] for p in trl.phases),
                 "train": median(s - p["rollout_s"] for s, p in zip(trl.step_s, trl.phases))}}
@@ -282,8 +287,10 @@ def _print_summary(r: dict[str, Any], json_out: Path) -> None:
     s, p = r["seconds_per_step"], r["phases_median_s"]
     print(f"e2e GRPO ({r['settings']['prompts_per_step']} prompts x {r['settings']['n_samples']} samples, "
           f"{r['steps']} steps each, TRL {r['trl_version']}):")
-    print(f"  v4rl {s['v4rl']:.2f} s/step (rollout {p['v4rl']['rollout']:.2f}, train {p['v4rl']['train']:.2f}, "
-          f"weight sync {p['v4rl']['weight_sync']:.2f})")
+    v = p["v4rl"]
+    print(f"  v4rl {s['v4rl']:.2f} s/step (rollout {v['rollout']:.2f}, train {v['train']:.2f}, "
+          f"weight sync {v['weight_sync']:.2f}); trainer {v['train_tokens_per_s']:.0f} tok/s on "
+          f"{v['train_threads']:.0f} threads, {v['train_forwarded_per_token']:.2f} forwarded per token")
     print(f"  TRL  {s['trl']:.2f} s/step (rollout {p['trl']['rollout']:.2f} of which generate "
           f"{p['trl']['generate']:.2f}, train {p['trl']['train']:.2f})")
     print(f"  speedup {r['speedup']:.2f}x (median of pairs; goal >= {SPEED_GOAL:g}x: "

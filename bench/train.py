@@ -69,7 +69,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
     model_dir = Path(model_dir) if model_dir else DEFAULT_MODEL
     machine = machine_info()
     cfg, native = load_hf_checkpoint(model_dir)
-    samples = _samples(model_dir, n_sequences, samples_per_prompt, seed)
+    samples = _samples(model_dir, cfg, n_sequences, samples_per_prompt, seed)
     grpo = GRPOConfig()
     tconf = TrainerConfig(max_tokens_per_gpu=max_tokens, compute_dtype="bfloat16")
 
@@ -80,9 +80,12 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
     peer = _PaddedPeer(fresh(), tconf, grpo, samples, max_tokens)
     real_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
+    ours_perf: list[dict[str, float]] = []
+
     def ours() -> tuple[float, dict[str, float]]:
         t0 = time.perf_counter()
         m = trainer.grpo_step(samples, grpo)
+        ours_perf.append({k: v for k, v in m.items() if k.startswith("perf/")})
         return time.perf_counter() - t0, m
 
     def theirs() -> tuple[float, dict[str, float]]:
@@ -99,9 +102,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
     peer_tps = [real_tokens / h for _, h in runs]
     speedup = statistics.median(h / o for o, h in runs)
     micro = prefix_batches([(s.prompt_ids, s.response_ids) for s in samples], max_tokens)
-    ours_forwarded = sum(len(b.prompts) * len(b.prompts[0])
-                         + sum(map(len, b.members)) * max(len(samples[i].response_ids) for m in b.members for i in m)
-                         for b in micro)
+    ours_forwarded = ours_perf[-1]["perf/train_forwarded_tokens"]  # the trainer's own count of its forwards
     result: dict[str, Any] = {
         "machine": machine, "model": str(model_dir), "dtype": "bfloat16 autocast, fp32 master weights, AdamW",
         "step": "zero_grad + fwd + bwd of every micro-batch + grad clip + AdamW step (both sides)",
@@ -113,7 +114,10 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
         "ours": {"tok_s_best": max(ours_tps), "tok_s_median": statistics.median(ours_tps),
                  "micro_batches": len(micro), "forwarded_tokens": ours_forwarded,
                  "forwarded_per_real_token": ours_forwarded / real_tokens,
-                 "mean_micro_batch_tokens": ours_forwarded / len(micro)},
+                 "mean_micro_batch_tokens": ours_forwarded / len(micro),
+                 "threads": ours_perf[-1]["perf/train_threads"],
+                 "trainer_tok_s_median": statistics.median(p["perf/train_tokens_per_s"] for p in ours_perf[1:]),
+                 "with_rollout_routes": True},
         "transformers": {"tok_s_best": max(peer_tps), "tok_s_median": statistics.median(peer_tps),
                          "batch_size": peer.batch_size, "micro_batches": len(peer.batches),
                          "padded_tokens": peer.padded_tokens,
@@ -140,7 +144,7 @@ def main(json_out: Path, *, model_dir: Path | None = None, n_sequences: int = N_
 
 
 # ---------------------------------------------------------------------------------------------- data
-def _samples(model_dir: Path, n: int, per_prompt: int, seed: int) -> list:
+def _samples(model_dir: Path, cfg: Any, n: int, per_prompt: int, seed: int) -> list:
     from transformers import AutoTokenizer
 
     from engines.train.trainer import Sample
@@ -160,7 +164,12 @@ def _samples(model_dir: Path, n: int, per_prompt: int, seed: int) -> list:
         for j in range(per_prompt):
             resp = [rng.randint(*TOKEN_IDS) for _ in range(rng.randint(*RESPONSE_LEN))]
             rollout_lp = [-4.5 + 0.5 * rng.random() for _ in resp]  # ~ uniform over 128 ids, jittered
-            out.append(Sample(list(prompt), resp, rollout_lp, float(rewards[g, j]), g, advantage=float(adv[g, j])))
+            # the rollout's routed experts, as `v4rl train`'s rollout always returns them: the trainer logs
+            # train/router_mismatch_frac from them, so the timed step is the run's step
+            routes = torch.randint(0, cfg.n_routed_experts, (len(prompt) + len(resp) - 1, cfg.num_hidden_layers,
+                                                             cfg.num_experts_per_tok), dtype=torch.int32)
+            out.append(Sample(list(prompt), resp, rollout_lp, float(rewards[g, j]), g, advantage=float(adv[g, j]),
+                              routed_experts=routes))
     return out
 
 

@@ -105,6 +105,9 @@ def test_bench_e2e_smoke_run_writes_json_and_plot(tmp_path):
     pairs = result["pairs"]
     assert [p["step"] for p in pairs] == [1, 2]
     assert result["speedup"] == pytest.approx(statistics.median(p["trl_s"] / p["v4rl_s"] for p in pairs))
+    trainer = result["phases_median_s"]["v4rl"]  # how the trainer computed, so a slower path shows as a number
+    assert trainer["train_threads"] >= 1 and trainer["train_tokens_per_s"] > 0
+    assert 0 < trainer["train_forwarded_per_token"] < 1  # each GRPO group's prompt forwarded once
     assert (tmp_path / "bench" / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for side in ("v4rl", "trl"):
         evals = result["evals"][side]

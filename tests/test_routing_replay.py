@@ -40,7 +40,9 @@ def samples(outs) -> list[Sample]:
 
 
 def trainer(cfg, native, perturb: float = 0.0) -> Trainer:
-    t = Trainer.from_native(cfg, native, TrainerConfig(lr=1e-6, compute_dtype="float32"))
+    # a copy: the model may share the tensors it is built from, and the perturbation below writes into them
+    t = Trainer.from_native(cfg, {k: v.clone() for k, v in native.items()},
+                            TrainerConfig(lr=1e-6, compute_dtype="float32"))
     if perturb:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -75,7 +77,35 @@ def test_replay_makes_the_trainer_use_the_rollout_experts(rollouts):
         t.model(input_ids=ids)
     for i in t.router_replay.layers:
         assert torch.equal(used[i].view(1, -1, cfg.num_experts_per_tok)[:, :-1], padded[:, :-1, i])
-    mismatched, _ = t.router_replay.mismatch(padded, torch.ones(1, ids.shape[1], dtype=torch.bool))
+    mismatched, _ = t.router_replay.mismatch(t.router_replay.own_routes(), padded, torch.ones(1, ids.shape[1], dtype=torch.bool))
     assert mismatched > 0  # the perturbed routers would have chosen otherwise
     grpo = GRPOConfig(rollout_correction=RolloutCorrection(mode="tis", routing_replay=True))
     assert "train/router_mismatch_frac" in t.grpo_step(samples(outs), grpo)
+
+
+def test_shared_prefix_forward_counts_the_mismatch_of_full_sequences(tiny_base, rollouts):
+    """The metric comes from the forward the step runs anyway: with a GRPO group's prompt forwarded once (the
+    default) it counts what whole-sequence forwards count, prompt positions included, and the step still forwards
+    each prompt once."""
+    _, cfg, native = rollouts
+    engine = RolloutEngine(tiny_base, EngineConfig(enable_return_routed_experts=True))
+    try:
+        specs = [RequestSpec(rid=f"g{i}", input_ids=[1, 20 + i // 3, 33, 47, 5], seed=i, return_routed_experts=True,
+                             return_logprob=True, sampling=SamplingParams(max_new_tokens=4 + 2 * (i % 3),
+                                                                          temperature=1.0))
+                 for i in range(6)]  # two prompts x three samples of different lengths
+        group = samples(engine.generate(specs))
+    finally:
+        engine.shutdown()
+    grpo = GRPOConfig(rollout_correction=RolloutCorrection(mode="tis"))
+    shared = trainer(cfg, native, perturb=0.3)
+    whole = trainer(cfg, native, perturb=0.3)
+    whole.config.share_prompt_prefix = False
+    ours, full = shared.grpo_step(group, grpo), whole.grpo_step(group, grpo)
+    frac = ours["train/router_mismatch_frac"]
+    assert 0.0 < frac < 1.0
+    assert frac == pytest.approx(full["train/router_mismatch_frac"], abs=1e-9)
+    # the metric did not turn the shared prompt forward off (it did once, and a step cost 4x: issue 40)
+    assert ours["perf/train_forwarded_tokens"] < ours["perf/train_tokens"] <= full["perf/train_forwarded_tokens"]
+    assert shared._mismatch[1] == whole._mismatch[1] == sum(
+        len(s.prompt_ids) + len(s.response_ids) - 1 for s in group) * len(shared.router_replay.layers)

@@ -21,6 +21,8 @@ def test_bench_train_writes_its_json(tmp_path):
     assert {"machine", "data", "ours", "transformers", "speedup", "runs_s", "first_step_check", "goals"} <= set(result)
     assert result["ours"]["tok_s_best"] > 0 and result["transformers"]["tok_s_best"] > 0
     assert 0 < result["ours"]["forwarded_per_real_token"] < 1 and 0 < result["transformers"]["padding_fraction"] < 1
+    assert result["ours"]["with_rollout_routes"] and result["ours"]["threads"] >= 1
+    assert result["ours"]["trainer_tok_s_median"] > 0
     assert len(result["runs_s"]) == 1
     check = result["first_step_check"]  # same weights, same data, same loss: the two sides agree
     assert check["ours"]["pg_loss"] == pytest.approx(check["transformers"]["pg_loss"], abs=1e-3)

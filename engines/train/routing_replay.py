@@ -7,13 +7,14 @@ as Miles leaves them). Inside `replay.forward(routes)`, each wrapped router:
   - with `routes` (int [B, S, layers, top_k], the rollout engine's `routed_experts` of the same tokens), uses the
     rollout's experts instead and gathers their gate weights from its own scores, normalised and scaled as the
     stock router does, so the gradient still reaches the router weights (Miles' replay does the same).
-`replay.mismatch(routes, valid)` counts the (token, top-k layer) pairs whose trainer-side expert set differs from
-the rollout's: `train/router_mismatch_frac`.
+`replay.mismatch(replay.own_routes(), routes, valid)` counts the (token, top-k layer) pairs whose trainer-side expert
+set differs from the rollout's: `train/router_mismatch_frac`. The trainer reads it from the forward it runs anyway
+(with a shared prompt prefix too), so the metric costs a compare, not a forward.
 
     replay = RouterReplay(model)
     with replay.forward(routes):
         logits = model(input_ids=ids).logits
-    mismatched, pairs = replay.mismatch(routes, valid)
+    mismatched, pairs = replay.mismatch(replay.own_routes(), routes, valid)
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ class RouterReplay:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, weights * gate.routed_scaling_factor, indices
 
-    def mismatch(self, routes: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
-        """(pairs whose expert sets differ, pairs compared) over the top-k layers of the last forward, at the
-        positions where `valid` [B, S] is true; `routes` as given to `forward`."""
-        mismatched = pairs = 0
-        for layer in self.layers:
-            own = self._own[layer].sort(-1).values
-            theirs = routes[:, :, layer].long().sort(-1).values
-            differ = (own != theirs).any(-1) & valid
-            mismatched += int(differ.sum())
-            pairs += int(valid.sum())
-        return mismatched, pairs
+    def own_routes(self) -> torch.Tensor:
+        """The trainer's own top-k experts of the last forward, int64 [B, S, top-k layers, top_k] in the order of
+        `self.layers` (what the stock router picked, whether or not routes were replayed)."""
+        return torch.stack([self._own[layer] for layer in self.layers], dim=2)
+
+    def mismatch(self, own: torch.Tensor, routes: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
+        """(pairs whose expert sets differ, pairs compared): `own` from `own_routes` against the rollout's
+        `routes` [B, S, layers, top_k] (every decoder layer), at the positions where `valid` [B, S] is true."""
+        theirs = routes[:, :, self.layers].long().sort(-1).values
+        differ = (own.sort(-1).values != theirs).any(-1) & valid[..., None]
+        return int(differ.sum()), int(valid.sum()) * len(self.layers)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -180,6 +181,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
         self.step = 0
+        self._mismatch = [0, 0]
+        """(mismatched, compared) router pairs of the current step (routing_replay.py)."""
+        self._forwarded = 0
+        """Tokens the current step's forwards ran, padding included (perf/train_forwarded_tokens)."""
         self.fake_quant = None
         self._stored = None
         if config.quantization_aware:
@@ -225,8 +230,10 @@ class Trainer:
             self._stored = self.fake_quant.stored(self.model)
         return self.fake_quant.forward(self.model, input_ids, self._stored, **kwargs)
 
-    def _forward_shared(self, batch: PrefixBatch, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
-        """Like _forward_logprobs, rows in `batch.members` order: prompts once, responses from the expanded cache."""
+    def _forward_shared(self, batch: PrefixBatch, seqs: list[tuple[list[int], list[int]]],
+                        routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """Like _forward_logprobs, rows in `batch.members` order: prompts once, responses from the expanded cache.
+        With the rollout's `routes` (one per sequence) the router mismatch is counted from these two forwards."""
         from transformers import DynamicCache
 
         rows = [i for members in batch.members for i in members]
@@ -240,30 +247,45 @@ class Trainer:
             mask[b, :len(response)] = True
         with self._autocast():
             cache = DynamicCache(config=self.model.config)
-            prefix = self._call_model(torch.tensor(batch.prompts), past_key_values=cache, use_cache=True)
+            with self.router_replay.forward(None):
+                    prefix = self._call_model(torch.tensor(batch.prompts), past_key_values=cache, use_cache=True)
+            own_prompt = self.router_replay.own_routes()[expand] if routes is not None else None
             cache.reorder_cache(expand)
-            continued = self._call_model(responses, past_key_values=cache, use_cache=True)
+            with self.router_replay.forward(None):
+                continued = self._call_model(responses, past_key_values=cache, use_cache=True)
+        if routes is not None:  # a sequence's routes cover its prompt and all but its last response token
+            own = torch.cat([own_prompt, self.router_replay.own_routes()[:, :-1]], dim=1)
+            lengths = torch.tensor([len(seqs[i][0]) + len(seqs[i][1]) - 1 for i in rows])
+            self._count_mismatch(own, [routes[i] for i in rows], lengths)
+        self._forwarded += len(batch.prompts) * len(batch.prompts[0]) + responses.numel()
         logits = torch.cat([prefix.logits[:, -1:][expand], continued.logits[:, :-1]], dim=1)
         return (*_token_logprobs_and_entropy(logits, responses), mask)
+
+    def _count_mismatch(self, own: torch.Tensor, routes: list[torch.Tensor], routed: torch.Tensor) -> None:
+        """Add the router mismatch of one forward to self._mismatch: `own` [B, S, ...] from RouterReplay.own_routes,
+        the rollout's per-sequence `routes`, `routed[b]` positions of row b covered by a route."""
+        valid = torch.arange(own.shape[1])[None, :] < routed[:, None]
+        mismatched, pairs = self.router_replay.mismatch(own, _padded_routes(routes, own.shape[1]), valid)
+        self._mismatch[0] += mismatched
+        self._mismatch[1] += pairs
 
     def _micro_batches(self, seqs: list[tuple[list[int], list[int]]], routes: list[torch.Tensor] | None = None,
                        replay: bool = False):
         """(sample indices in row order, forward) per micro-batch, skipping samples without response tokens. With
-        the rollout's `routes` (one per sample) every forward runs whole sequences (a shared prefix has no per-sample
-        routes), counting router mismatches into self._mismatch and replaying the routes if `replay`."""
+        the rollout's `routes` (one per sample) each forward counts router mismatches into self._mismatch; with
+        `replay` it also replays them, which runs whole sequences (a prompt shared by a group is routed once, but
+        each sample brings its own rollout routes for it)."""
         keep = [i for i, (_, r) in enumerate(seqs) if r]
         kept = [seqs[i] for i in keep]
-        if routes is not None:
-            for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
-                yield idx, lambda idx=idx: self._forward_logprobs([seqs[i] for i in idx], [routes[i] for i in idx],
-                                                                  replay)
-        elif self.shares_prefix:
+        kept_routes = None if routes is None else [routes[i] for i in keep]
+        if self.shares_prefix and not replay:
             for batch in prefix_batches(kept, self.config.max_tokens_per_gpu):
                 rows = [keep[j] for members in batch.members for j in members]
-                yield rows, lambda batch=batch: self._forward_shared(batch, kept)
+                yield rows, lambda batch=batch: self._forward_shared(batch, kept, kept_routes)
         else:
             for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
-                yield idx, lambda idx=idx: self._forward_logprobs([seqs[i] for i in idx])
+                yield idx, lambda idx=idx: self._forward_logprobs(
+                    [seqs[i] for i in idx], None if routes is None else [routes[i] for i in idx], replay)
 
     def _forward_logprobs(self, seqs: list[tuple[list[int], list[int]]], routes: list[torch.Tensor] | None = None,
                           replay: bool = False) -> tuple[torch.Tensor, ...]:
@@ -277,14 +299,12 @@ class Trainer:
             ids[b, :lengths[b]] = torch.tensor(p + r)
             pos[b, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
             mask[b, :len(r)] = True
-        batch_routes = None if routes is None else _padded_routes(routes, ids.shape[1])
-        with self._autocast(), self.router_replay.forward(batch_routes if replay else None):
+        replayed = _padded_routes(routes, ids.shape[1]) if routes is not None and replay else None
+        with self._autocast(), self.router_replay.forward(replayed):
             out = self._call_model(ids)
-        if batch_routes is not None:
-            valid = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None] - 1
-            mismatched, pairs = self.router_replay.mismatch(batch_routes, valid)
-            self._mismatch[0] += mismatched
-            self._mismatch[1] += pairs
+        if routes is not None:
+            self._count_mismatch(self.router_replay.own_routes(), routes, torch.tensor(lengths) - 1)
+        self._forwarded += ids.numel()
         rows = torch.arange(len(seqs))[:, None]
         return (*_token_logprobs_and_entropy(out.logits[rows, pos], ids[rows, pos + 1]), mask)
 
@@ -300,9 +320,19 @@ class Trainer:
         return out
 
     def grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
-        """One optimizer step of GRPO (+ TIS) on samples whose `advantage` is already set (rl.grpo.GRPOConfig)."""
+        """One optimizer step of GRPO (+ TIS) on samples whose `advantage` is already set (rl.grpo.GRPOConfig).
+        Besides train/*, it reports how it computed: perf/train_threads, perf/train_tokens (prompt + response
+        tokens of the samples), perf/train_forwarded_tokens (what the forwards ran, padding included: below
+        train_tokens when prompts are shared) and perf/train_tokens_per_s, so a slower path shows as a number."""
+        start = time.perf_counter()
+        self._forwarded = 0
         with self._compute_threads():
-            return self._grpo_step(samples, grpo)
+            metrics = self._grpo_step(samples, grpo)
+            metrics["perf/train_threads"] = torch.get_num_threads()
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples if s.response_ids)
+        metrics.update({"perf/train_tokens": tokens, "perf/train_forwarded_tokens": self._forwarded,
+                        "perf/train_tokens_per_s": tokens / (time.perf_counter() - start)})
+        return metrics
 
     def _grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
         from rl.corrections import apply_correction
