@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (or refresh) the project's virtualenv in .venv/: torch first (the CPU wheel here; set
-# V4RL_TORCH_SPEC to bring your own GPU build, e.g. 'torch>=2.9'), then v4rl itself with its test extras.
+# Set up (or refresh) the project's virtualenv in .venv/: torch first, then v4rl itself with its test extras.
+# torch is the CPU build, asked for by its local version (torch==2.13.0+cpu): from this machine's own wheels or
+# index if it has them, else from PyTorch's CPU index (download.pytorch.org/whl/cpu), never a CUDA build from PyPI
+# (several GB). GPU users set V4RL_TORCH_SPEC to their own build, e.g. V4RL_TORCH_SPEC='torch>=2.9'.
 # Re-running is cheap: the install is skipped while pyproject.toml is unchanged. Last, the pinned SGLang's
 # source for the conformance suite goes into a cache outside the repo (once; offline reruns reuse it).
 set -euo pipefail
@@ -18,8 +20,14 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip
+TORCH_CPU="torch==2.13.0+cpu" TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q "${V4RL_TORCH_SPEC:-torch==2.13.0}"
+  if [ -n "${V4RL_TORCH_SPEC:-}" ]; then
+    .venv/bin/python -m pip install -q "$V4RL_TORCH_SPEC"
+  elif ! .venv/bin/python -m pip install -q "$TORCH_CPU" 2>/dev/null; then
+    echo "setup.sh: $TORCH_CPU is not on this machine's package index; installing it from $TORCH_CPU_INDEX" >&2
+    .venv/bin/python -m pip install -q --index-url "$TORCH_CPU_INDEX" "$TORCH_CPU"
+  fi
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 echo "$want" > "$stamp"
