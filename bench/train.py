@@ -178,6 +178,8 @@ class _PaddedPeer:
     """The usual transformers fine-tuning loop: fixed batch size, right padding to each batch's longest sample."""
 
     def __init__(self, model: Any, tconf: Any, grpo: Any, samples: list, max_tokens: int) -> None:
+        from rl.grpo import step_denominator
+
         self.model = model.float().train()
         self.grpo = grpo
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tconf.lr, betas=tconf.betas,
@@ -185,7 +187,7 @@ class _PaddedPeer:
         longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         self.batch_size = max(1, max_tokens // longest)
         pad = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
-        self.total = sum(len(s.response_ids) for s in samples)
+        self.denominator = step_denominator(grpo.loss_aggregation, [len(s.response_ids) for s in samples])
         self.batches = [self._collate(samples[i:i + self.batch_size], pad)
                         for i in range(0, len(samples), self.batch_size)]
         self.padded_tokens = sum(b["input_ids"].numel() for b in self.batches)
@@ -208,8 +210,7 @@ class _PaddedPeer:
                 "advantages": torch.tensor([s.advantage for s in chunk])}
 
     def step(self) -> dict[str, float]:
-        from rl.corrections import apply_correction
-        from rl.grpo import policy_loss
+        from rl.grpo import grpo_loss
 
         g = self.grpo
         self.optimizer.zero_grad(set_to_none=True)
@@ -220,11 +221,8 @@ class _PaddedPeer:
                 logits = self.model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)
             lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
-            old = lp.detach()
-            weights = apply_correction(g.rollout_correction, old, batch["rollout_lp"], batch["mask"],
-                                       batch["advantages"]).weights
-            loss, m = policy_loss(lp, old, batch["advantages"], batch["mask"], clip_low=g.clip_low,
-                                  clip_high=g.clip_high, tis_weights=weights, loss_denominator=self.total)
+            loss, m, _ = grpo_loss(lp, lp.detach(), batch["rollout_lp"], batch["advantages"], batch["mask"], g,
+                                   denominator=self.denominator)
             loss.backward()
             pg_loss += m["pg_loss"]
         clip = g.max_grad_norm if g.max_grad_norm > 0 else float("inf")

@@ -15,10 +15,14 @@ What it does
        ``GRPOConfig.rollout_correction``.
     3. ``policy_loss(lp, old_lp, adv, mask, tis_weights=w)``: PPO/DAPO clipped surrogate with
        the asymmetric "clip-higher" range ``[1 - 0.2, 1 + 0.28]``, times the TIS weight,
-       averaged over every response token of the batch (DAPO token-level mean), plus an
-       optional KL penalty to a reference policy.
+       aggregated as ``GRPOConfig.loss_aggregation`` says (rl/loss_setting.py: each sample's token
+       mean averaged over the samples, Miles' default, or the mean over every token of the step,
+       DAPO's), plus an optional KL penalty to a reference policy.
 
-    ``GRPOConfig`` holds the loss knobs the trainer reads, with Miles' defaults for DeepSeek-V4 Flash.
+    ``GRPOConfig`` holds the loss knobs the trainer reads, with Miles' defaults for DeepSeek-V4 Flash;
+    ``grpo_loss`` is steps 2 and 3 on one micro-batch, as the trainer runs them, and ``step_denominator``
+    what it divides by so that the micro-batches add up to the step's loss. tests/conformance/
+    test_miles_loss_parity.py and tests/test_trl_loss_parity.py check both against Miles' and TRL's own code.
 
 Which logprobs go where (as in Miles / slime)
     ``old_logprobs`` are the trainer's own logprobs of the rollout tokens under the weights
@@ -52,14 +56,17 @@ import torch
 from torch import Tensor
 
 from rl.correction_setting import RolloutCorrection
-from rl.corrections import token_truncate
+from rl.corrections import CorrectionResult, apply_correction, token_truncate
+from rl.loss_setting import DEFAULT_LOSS_AGGREGATION, LossAggregation, check_loss_aggregation
 
 __all__ = [
     "KL_TYPES",
     "GRPOConfig",
     "approx_kl",
     "group_advantages",
+    "grpo_loss",
     "policy_loss",
+    "step_denominator",
     "tis_metrics",
     "tis_weights",
 ]
@@ -106,6 +113,11 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip (Megatron's ``--clip-grad`` default); 0 disables clipping. >= 0."""
 
+    loss_aggregation: LossAggregation = DEFAULT_LOSS_AGGREGATION
+    """sample-mean (each sample's token mean, averaged over the step's samples: Miles' default, what the cluster
+    job trains) or token-mean (the mean over all the step's tokens: Miles --calculate-per-token-loss, TRL's dapo);
+    rl/loss_setting.py."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(
@@ -120,6 +132,7 @@ class GRPOConfig:
         self.rollout_correction = RolloutCorrection.coerce(self.rollout_correction)
         if self.max_grad_norm < 0.0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping).")
+        self.loss_aggregation = check_loss_aggregation(self.loss_aggregation, "GRPOConfig.loss_aggregation")
 
 
 # --------------------------------------------------------------------------- advantages
@@ -271,26 +284,35 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: Tensor | None = None,
     kl_type: str = "low_var_kl",
+    aggregation: LossAggregation = "token-mean",
     loss_denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO surrogate (DAPO clip-higher, token-level mean), optionally TIS-weighted, plus KL.
+    """Clipped GRPO surrogate (DAPO clip-higher), optionally TIS-weighted, plus KL, aggregated per token or
+    per sample.
 
     Per response token t, with ``ratio = exp(lp - old_lp)`` and advantage ``A``::
 
         pg_t   = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)) * w_t
         kl_t   = approx_kl(lp, ref_lp, kl_type)                      (only with ref_logprobs)
-        loss   = sum_t mask_t * pg_t / D  +  kl_coef * sum_t mask_t * kl_t / D
+        loss   = R(pg) + kl_coef * R(kl)
 
-    where ``w_t`` are the TIS weights (1 when None) and ``D`` is the number of unmasked tokens
-    in the whole batch (DAPO token-level mean: long responses weigh in proportion to their
-    length) or ``loss_denominator`` when given. Pass the token count of the full minibatch as
-    ``loss_denominator`` when accumulating gradients over micro-batches, so the summed
-    micro-batch losses (and metrics) equal the minibatch's token mean.
+    where ``w_t`` are the TIS weights (1 when None) and the reduction ``R`` is ``aggregation``'s
+    (rl/loss_setting.py):
+
+        token-mean    R(x) = sum_t mask_t * x_t / D, D = the number of unmasked tokens of the
+                      batch (DAPO: long responses weigh in proportion to their length)
+        sample-mean   R(x) = sum_i (sum_t mask_it * x_it / max(1, sum_t mask_it)) / D, D = the
+                      number of rows (samples) of the batch (Miles' default ``sum_of_sample_mean``)
+
+    ``loss_denominator`` replaces ``D``: pass the whole step's (``step_denominator``) when
+    accumulating gradients over micro-batches, so the summed micro-batch losses (and metrics)
+    equal the step's.
 
     Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (and ``tis_weights``, ``ref_logprobs``) are
-    the same shape, e.g. ``[B, T]`` padded or ``[N]`` packed. ``advantages`` is per token (same
-    shape) or per sequence (``[B]`` for ``[B, T]``, broadcast along T). Masked-out positions
-    never reach the loss or its gradient, even when they hold NaN/inf.
+    the same shape, e.g. ``[B, T]`` padded or ``[N]`` packed (token-mean only: sample-mean needs
+    rows). ``advantages`` is per token (same shape) or per sequence (``[B]`` for ``[B, T]``,
+    broadcast along T). Masked-out positions never reach the loss or its gradient, even when
+    they hold NaN/inf.
 
     Returns ``(loss, metrics)``; ``loss`` is a 0-dim float32 tensor with grad; ``metrics`` are
     floats with Miles names without ``train/``: ``loss``, ``pg_loss``, ``pg_clipfrac`` (share of
@@ -325,19 +347,29 @@ def policy_loss(
         raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    check_loss_aggregation(aggregation, "aggregation")
+    per_sample = aggregation == "sample-mean"
+    if per_sample and logprobs.dim() < 2:
+        raise ValueError(f"sample-mean needs logprobs as [samples, tokens] (one row per sample), got shape "
+                         f"{tuple(logprobs.shape)}; pad the batch into rows or aggregate token-mean")
 
     lp = logprobs.float()
     adv = advantages.detach().float()
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     if loss_denominator is None:
-        denom = m.sum().clamp(min=1).to(lp.dtype)
+        denom = torch.tensor(float(m.shape[:-1].numel()), dtype=lp.dtype) if per_sample else m.sum().clamp(min=1)
+        denom = denom.to(dtype=lp.dtype, device=lp.device)
     else:
         if not loss_denominator > 0:
-            raise ValueError(f"loss_denominator={loss_denominator} must be > 0 (the minibatch's token count)")
+            raise ValueError(f"loss_denominator={loss_denominator} must be > 0 (the step's {aggregation} "
+                             "denominator: step_denominator)")
         denom = torch.tensor(float(loss_denominator), dtype=lp.dtype, device=lp.device)
+    row_tokens = m.sum(dim=-1).clamp(min=1).to(lp.dtype) if per_sample else None
 
     def masked_sum(x: Tensor) -> Tensor:
-        return torch.where(m, x, zero).sum()
+        """The aggregation's numerator: the masked sum, of each row's mean for sample-mean."""
+        kept = torch.where(m, x, zero)
+        return (kept.sum(dim=-1) / row_tokens).sum() if per_sample else kept.sum()
 
     log_ratio = lp - old_logprobs.detach().float()
     ratio = torch.exp(torch.where(m, log_ratio, zero))
@@ -363,3 +395,50 @@ def policy_loss(
         metrics["kl_loss"] = float(kl_loss.detach())
     metrics["loss"] = float(loss.detach())
     return loss, metrics
+
+
+# --------------------------------------------------------------------------- one micro-batch of a step
+
+
+def step_denominator(aggregation: LossAggregation, loss_tokens: list[int]) -> float:
+    """What every micro-batch of a step divides its loss by so that they add up to the step's loss, from each
+    sample's loss-token count (the trainer's: its response length): the step's loss tokens (token-mean) or its
+    samples (sample-mean; all of them, an empty response included, as Miles divides by the step's rollout count).
+
+    >>> step_denominator("token-mean", [3, 5, 0]), step_denominator("sample-mean", [3, 5, 0])
+    (8.0, 3.0)
+    """
+    if check_loss_aggregation(aggregation) == "token-mean":
+        return float(sum(loss_tokens))
+    return float(len(loss_tokens))
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: GRPOConfig,
+    *,
+    denominator: float,
+) -> tuple[Tensor, dict[str, float], CorrectionResult]:
+    """One micro-batch's share of a step's loss, as the trainer computes it: ``config.rollout_correction``'s
+    weights from the trainer's (old) and the rollout engine's logprobs (:func:`rl.corrections.apply_correction`),
+    then :func:`policy_loss` with the config's clip range and aggregation over ``denominator`` (the step's,
+    :func:`step_denominator`). Tensors are ``[B, T]`` (rows = samples, ``mask`` their response tokens),
+    ``advantages`` one per sample. Returns ``(loss, policy metrics, correction)``.
+
+    >>> lp = torch.tensor([[-1.0, -2.0], [-1.0, 0.0]], requires_grad=True)
+    >>> mask = torch.tensor([[True, True], [True, False]])
+    >>> loss, _, _ = grpo_loss(lp, lp.detach(), lp.detach(), torch.tensor([1.0, -1.0]), mask, GRPOConfig(),
+    ...                        denominator=2.0)
+    >>> loss.backward(); lp.grad
+    tensor([[-0.2500, -0.2500],
+            [ 0.5000,  0.0000]])
+    """
+    correction = apply_correction(config.rollout_correction, old_logprobs, rollout_logprobs, mask, advantages)
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=config.clip_low,
+                                clip_high=config.clip_high, tis_weights=correction.weights,
+                                aggregation=config.loss_aggregation, loss_denominator=denominator)
+    return loss, metrics, correction

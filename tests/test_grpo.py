@@ -23,7 +23,8 @@ from rl.dynamic_sampling import (
     filter_groups,
     has_signal,
 )
-from rl.grpo import GRPOConfig, approx_kl, group_advantages, policy_loss, tis_metrics, tis_weights
+from rl.grpo import (GRPOConfig, approx_kl, group_advantages, grpo_loss, policy_loss, step_denominator, tis_metrics,
+                     tis_weights)
 
 NUM_GPUS = 0
 
@@ -193,6 +194,40 @@ def test_loss_denominator_makes_microbatches_add_up() -> None:
         assert parts[0][1][key] + parts[1][1][key] == pytest.approx(full_m[key], rel=1e-6, abs=1e-9)
 
 
+def test_sample_mean_weighs_every_sample_alike() -> None:
+    """Each sample's token mean, averaged over the samples (Miles' default): a 1-token and a 3-token response with
+    the same advantage get the same total gradient; padding and interior mask zeros stay out of both."""
+    lp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[True, False, False, False], [True, True, False, True]])
+    loss, m = policy_loss(lp, lp.detach(), torch.tensor([1.0, 1.0]), mask, aggregation="sample-mean")
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.5, 0, 0, 0], [-1 / 6, -1 / 6, 0, -1 / 6]]))
+    assert m["pg_loss"] == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="sample-mean needs logprobs as \\[samples, tokens\\]"):
+        policy_loss(lp[0], lp[0].detach(), torch.ones(4), mask[0], aggregation="sample-mean")
+    with pytest.raises(ValueError, match="aggregation='mean': choose sample-mean"):
+        policy_loss(lp, lp.detach(), torch.ones(2), mask, aggregation="mean")
+
+
+@pytest.mark.parametrize("aggregation", ["sample-mean", "token-mean"])
+def test_step_denominator_makes_micro_batches_add_up_to_the_step(aggregation: str) -> None:
+    """grpo_loss over the step's denominator, summed over any split of the step, is the loss of the whole step."""
+    torch.manual_seed(1)
+    lp = (torch.randn(6, 5) * 0.1 - 1.0).requires_grad_()
+    old, rollout = lp.detach() + torch.randn(6, 5) * 0.2, lp.detach() + torch.randn(6, 5) * 0.5
+    mask = torch.arange(5)[None, :] < torch.tensor([5, 1, 3, 2, 5, 4])[:, None]
+    adv, config = torch.randn(6), GRPOConfig(loss_aggregation=aggregation)
+    denominator = step_denominator(aggregation, mask.sum(dim=1).tolist())
+    whole, whole_m, _ = grpo_loss(lp, old, rollout, adv, mask, config, denominator=denominator)
+    (grad_whole,) = torch.autograd.grad(whole, lp)
+    parts = [grpo_loss(lp[h], old[h], rollout[h], adv[h], mask[h], config, denominator=denominator)
+             for h in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    (grad_parts,) = torch.autograd.grad(sum(p[0] for p in parts), lp)
+    torch.testing.assert_close(grad_parts, grad_whole, rtol=1e-6, atol=1e-8)
+    for key in ("pg_loss", "pg_clipfrac", "ppo_kl"):
+        assert sum(p[1][key] for p in parts) == pytest.approx(whole_m[key], rel=1e-6, abs=1e-9)
+
+
 def test_tis_weight_scales_the_gradient() -> None:
     lp = torch.zeros(1, 2, requires_grad=True)
     w = torch.tensor([[2.0, 0.0]])
@@ -275,7 +310,10 @@ def test_every_grpo_config_field_is_read_by_the_trainer() -> None:
     from engines.train.trainer import Trainer
 
     step = inspect.getsource(Trainer._grpo_step)
-    unread = [f.name for f in dataclasses.fields(GRPOConfig) if f"grpo.{f.name}" not in step]
+    loss = inspect.getsource(grpo_loss)  # the step's loss, with the config the step hands it
+    assert "grpo_loss(" in step
+    unread = [f.name for f in dataclasses.fields(GRPOConfig)
+              if f"grpo.{f.name}" not in step and f"config.{f.name}" not in loss]
     assert not unread, f"GRPOConfig fields the trainer never reads: {unread}"
     for gone in ("lr", "dynamic_sampling", "n_samples_per_prompt", "kl_coef", "adv_eps"):
         with pytest.raises(TypeError):
@@ -291,6 +329,7 @@ def test_every_grpo_config_field_is_read_by_the_trainer() -> None:
         ({"rollout_correction": {"clip_low": 1.5, "clip_high": 3.0}}, "must contain 1"),
         ({"rollout_correction": "tls"}, "is not one of none, tis, icepop"),
         ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"loss_aggregation": "token_mean"}, "GRPOConfig.loss_aggregation='token_mean': choose sample-mean"),
     ],
 )
 def test_config_errors_say_the_fix(kwargs: dict, message: str) -> None:

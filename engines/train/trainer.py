@@ -335,13 +335,14 @@ class Trainer:
         return metrics
 
     def _grpo_step(self, samples: list[Sample], grpo) -> dict[str, float]:
-        from rl.corrections import apply_correction
-        from rl.grpo import policy_loss
+        from rl.grpo import grpo_loss, step_denominator
 
         total = sum(len(s.response_ids) for s in samples)
         if total == 0:
             raise ValueError("GRPO step got no response tokens; every sample has an empty response")
         sequences = sum(1 for s in samples if s.response_ids)
+        # each micro-batch's loss over the whole step's denominator: their gradients add up to the step's
+        denominator = step_denominator(grpo.loss_aggregation, [len(s.response_ids) for s in samples])
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         routes = [s.routed_experts for s in samples] if all(s.routed_experts is not None for s in samples) else None
@@ -361,13 +362,10 @@ class Trainer:
                 rollout_lp[b, :len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
             old = lp.detach()  # one optimizer step per rollout: the behaviour policy is the current one
             advantages = torch.tensor([s.advantage for s in chunk])
-            correction = apply_correction(grpo.rollout_correction, old, rollout_lp, mask, advantages)
-            loss, m = policy_loss(lp, old, advantages, mask,
-                                  clip_low=grpo.clip_low, clip_high=grpo.clip_high, tis_weights=correction.weights,
-                                  loss_denominator=total)
+            loss, m, correction = grpo_loss(lp, old, rollout_lp, advantages, mask, grpo, denominator=denominator)
             loss.backward()
             for key in ("pg_loss", "pg_clipfrac", "ppo_kl"):
-                sums[key] += m[key]  # already divided by the batch's token count
+                sums[key] += m[key]  # already divided by the step's denominator
             n = int(mask.sum())
             for key, value in correction.token_metrics.items():
                 sums[key] += value * n / total
