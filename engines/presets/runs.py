@@ -116,7 +116,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "eval_datasets": ("eval", "datasets"), "eval_max_response_len": ("eval", "max_response_len"),
     "prompt_data": ("data", "prompt_data"), "input_key": ("data", "input_key"), "label_key": ("data", "label_key"),
     "lr": ("algorithm", "lr"), "use_tis": ("algorithm", "use_tis"),
-    "rollout_correction": ("algorithm", "rollout_correction"),
+    "rollout_correction": ("algorithm", "rollout_correction"), "loss_aggregation": ("algorithm", "loss_aggregation"),
     "fp8_training": ("miles", "fp8_training"), "rollout_routing_replay": ("miles", "rollout_routing_replay"),
     "fault_tolerance": ("miles", "fault_tolerance"), "save_interval": ("miles", "save_interval"),
     "miles_generation": ("miles", "generation"), "dsv4_impl": ("miles", "dsv4_impl"),

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from engines.layout import ModelShape, ParallelSpec, RolloutSpec, TrainSpec
 from rl.correction_setting import RolloutCorrection
+from rl.loss_setting import DEFAULT_LOSS_AGGREGATION, LossAggregation, check_loss_aggregation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,10 @@ class AlgorithmSpec:
     """The whole rollout correction (rl/correction_setting.py); engines/train/miles/train_args.py `correction_args`
     writes it as Miles' flags. None: the seed's, token TIS when use_tis (else none) with routing replay as
     miles.rollout_routing_replay. Set, it decides --use-tis and --use-rollout-routing-replay itself."""
+    loss_aggregation: LossAggregation = DEFAULT_LOSS_AGGREGATION
+    """How the policy loss averages its tokens (rl/loss_setting.py): sample-mean (each sample's token mean over
+    the step's samples, Miles' default: no flag) or token-mean (--calculate-per-token-loss). The embedded trainer
+    reads the same setting (TrainRunConfig.loss_aggregation); anything else is refused naming the two."""
     optimizer: str = "adam"
     """--optimizer."""
     lr: float = 1e-6
@@ -100,6 +105,9 @@ class AlgorithmSpec:
     """--adam-beta1."""
     adam_beta2: float = 0.98
     """--adam-beta2."""
+
+    def __post_init__(self) -> None:
+        check_loss_aggregation(self.loss_aggregation, "algorithm.loss_aggregation")
 
 
 RehearsalStage = Literal["rollout", "train", "full"]

@@ -32,6 +32,7 @@ from engines.train.sinks import check_sink_names, open_sinks
 from engines.train.stopping import StopRequest, TrainingStopped
 from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
+from rl.loss_setting import DEFAULT_LOSS_AGGREGATION, LossAggregation, check_loss_aggregation
 from rl.loop import LoopConfig, TaskData, run_grpo, sync_weights
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
 from engines import TINY_BASE
@@ -53,8 +54,10 @@ OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold"
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
 NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto",
                       "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label",
-                      "rollout_correction": RolloutCorrection().to_dict(), "rollout_weights": "fp8"}
-"""Left out of config.json while at these defaults, so runs written before these fields existed resume unchanged."""
+                      "rollout_correction": RolloutCorrection().to_dict(), "rollout_weights": "fp8",
+                      "loss_aggregation": "token-mean"}
+"""Left out of config.json while at these values, so runs written before these fields existed resume unchanged
+(loss_aggregation's is what those runs trained, not today's default: such a run resumes with token-mean only)."""
 ROLLOUT_WEIGHTS = ("fp8", "bf16")
 """How a rollout engine can serve the linears (TrainRunConfig.rollout_weights): FP8 128x128 blocks, or unquantized."""
 EXPERT_DTYPES = ("fp8", "fp4")
@@ -99,6 +102,10 @@ class TrainRunConfig:
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     """How the loss corrects the train/rollout logprob mismatch (rl/corrections.py): the seed's token TIS by
     default; a mode name or the asdict form (config.json) is accepted too."""
+    loss_aggregation: LossAggregation = DEFAULT_LOSS_AGGREGATION
+    """How the policy loss averages its tokens (rl/loss_setting.py): sample-mean (each sample's token mean, averaged
+    over the step's samples: what the cluster job trains, Miles' default) or token-mean (the mean over all the
+    step's tokens: Miles --calculate-per-token-loss, TRL's dapo). Anything else is refused naming the two."""
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
     call_timeout_s: float = 900.0
@@ -146,6 +153,7 @@ class TrainRunConfig:
     def __post_init__(self) -> None:
         self.metric_sinks = check_sink_names(self.metric_sinks)
         self.rollout_correction = RolloutCorrection.coerce(self.rollout_correction)
+        self.loss_aggregation = check_loss_aggregation(self.loss_aggregation, "TrainRunConfig.loss_aggregation")
         self.reward = check_reward_spec(self.reward, "reward")
         self.eval_reward = check_reward_spec(self.eval_reward, "eval_reward")
         if self.save_interval < 1:
@@ -291,7 +299,8 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
                                                      quantization_aware=config.quantization_aware,
                                                      rollout_expert_dtype=config.rollout_expert_dtype,
                                                      rollout_weight_format=config.rollout_weights),
-                        grpo_config=GRPOConfig(rollout_correction=config.rollout_correction),
+                        grpo_config=GRPOConfig(rollout_correction=config.rollout_correction,
+                                               loss_aggregation=config.loss_aggregation),
                         seed=config.loop.seed)
     serving, fresh = _rollout_start_weights(config.base, Path(run_dir), config.rollout_expert_dtype, log,
                                             weight_format=config.rollout_weights)

@@ -133,6 +133,7 @@ def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec,
         "bf16": True, "fp8": "e4m3" if m.fp8_training else None,
         "use_fault_tolerance": m.fault_tolerance,
         "deterministic_mode": m.deterministic, "qkv_format": "bshd", "lr": preset.algorithm.lr,
+        "calculate_per_token_loss": preset.algorithm.loss_aggregation == "token-mean",
     }
 
 

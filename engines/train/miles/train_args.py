@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engines.train.miles.model_args import num
 from rl.correction_setting import MIS_ALTERNATIVE, MIS_EXAMPLE
+from rl.loss_setting import miles_loss_flags
 
 if TYPE_CHECKING:
     from engines.layout import ClusterSpec
@@ -103,12 +104,13 @@ def correction_args(preset: "RunPreset") -> list[str]:
 
 
 def grpo_args(preset: "RunPreset") -> list[str]:
-    """The policy-gradient loss: GRPO advantages, clip range, KL/entropy terms, the rollout correction."""
+    """The policy-gradient loss: GRPO advantages, clip range, KL/entropy terms, the loss aggregation, the rollout
+    correction."""
     a = preset.algorithm
     args = ["--advantage-estimator", a.advantage_estimator, "--kl-loss-coef", num(a.kl_loss_coef),
             "--kl-loss-type", a.kl_loss_type, "--entropy-coef", num(a.entropy_coef), "--eps-clip", num(a.eps_clip),
             "--eps-clip-high", num(a.eps_clip_high)]
-    return args + correction_args(preset)
+    return args + miles_loss_flags(a.loss_aggregation) + correction_args(preset)
 
 
 def wandb_args(job: "MilesJob") -> list[str]:

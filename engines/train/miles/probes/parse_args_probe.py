@@ -45,6 +45,7 @@ RESOLVED = (
     "use_rollout_routing_replay", "use_fault_tolerance", "deterministic_mode", "qkv_format", "lr", "eps_clip",
     "eps_clip_high", "prompt_data", "hf_checkpoint", "num_layers", "hidden_size", "num_experts",
     "compress_ratios", "sglang_tp_size", "sglang_dp_size", "sglang_attn_dp_size", "sglang_ep_size",
+    "calculate_per_token_loss",  # the loss aggregation (rl/loss_setting.py)
     # the jobs the pipeline derives from the training job (engines/train/miles/jobs.py)
     "skip_eval_before_train", "log_passrate", "n_samples_per_eval_prompt", "ckpt_step", "no_load_optim",
     "debug_train_only", "debug_disable_optimizer", "load_debug_rollout_data", "save_debug_train_data",
