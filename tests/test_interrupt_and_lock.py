@@ -7,7 +7,10 @@ process (own session; SIGINT sent to its whole process group, as a terminal does
   lock left by a killed process is taken over with a note;
 - Ctrl-C during `v4rl demo`: it ends within seconds, its flow run is Crashed (not Running) in the demo's own
   database, its Prefect server is gone, and it says what was kept;
-- a full disk at checkpoint time, inside the Ray trainer actor: one line, the cause's message, no Ray dump.
+- a full disk at checkpoint time, inside the Ray trainer actor: one line, the cause's message, no Ray dump;
+- SIGTERM (what `timeout`, systemd, Slurm and Kubernetes send) to `v4rl train` on Ray, to the command and then its
+  whole process group as `timeout` does: ends as Ctrl-C does (exit 143), no process of its tree left;
+- `--lr 10`: the diverged step in one line (step, non-finite value, the flag), not Ray's traceback.
 
 A minute or two each on a loaded 2-core machine (the demo test: its conversion and alignment come first).
 
@@ -82,6 +85,19 @@ class _Command:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Live (non-zombie) processes of session `sid`: a child started with start_new_session and all it started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:120]!r}")
+    return found
 
 
 def _sigint_at_default() -> None:
@@ -193,3 +209,43 @@ def test_a_full_disk_inside_the_ray_trainer_is_one_line(tmp_path, tiny_base):
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "writing the training checkpoint of step 2" in lines[0] and "free space on" in lines[0], lines
     assert "Traceback" not in result.stderr and "\x1b[" not in result.stderr, result.stderr
+
+
+def test_sigterm_during_train_on_ray_ends_it_as_ctrl_c_does_and_leaves_no_process(tmp_path, tiny_base):
+    """`timeout` sends SIGTERM to the command, then to its process group, which holds the local Ray cluster's GCS
+    and raylet (the actors have groups of their own). Before: Ray's signal handler dumped a stack, exit 134."""
+    out = tmp_path / "run"
+    run = _Command(tmp_path, "train", "train", "--out", str(out), "--steps", "60", *TINY_TRAIN)
+    try:
+        run.wait_for("step 3:")
+        assert "eval step 0: pass@1 " in run.output(), run.output()  # printed as it landed, not only at the end
+        start = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        os.killpg(run.proc.pid, signal.SIGTERM)
+        run.proc.wait(90)
+        took = time.monotonic() - start
+    finally:
+        run.kill()
+    text = run.output()
+    assert run.proc.returncode == 143 and "Traceback" not in text and "SIGTERM received" not in text, text
+    kept = re.search(r"terminated \(SIGTERM\): kept: checkpoint step (\d+) in \S+, .*?; a rerun of the same command "
+                     r"resumes at step (\d+)", text)
+    assert kept and int(kept[1]) == latest_step(out / "checkpoints"), text
+    assert f"report: {out / 'report.md'}" in text and (out / "report.md").exists(), text
+    assert f"checkpoints: {out / 'checkpoints'} (latest: step {kept[1]})" in text, text
+    assert took < 60, took
+    deadline = time.monotonic() + 30
+    while _session_processes(run.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _session_processes(run.proc.pid), _session_processes(run.proc.pid)
+
+
+def test_a_diverging_lr_is_one_line_naming_the_step_the_value_and_the_flag(tmp_path, tiny_base):
+    """--lr 10 on the tiny model: step 1 trains, its update makes step 2's gradient NaN, which the trainer actor
+    raises as FloatingPointError through Ray. Before: a 148-line Ray traceback."""
+    result = _run("train", "--out", str(tmp_path / "run"), "--steps", "3", "--lr", "10", *TINY_TRAIN,
+                  "--eval-interval", "0")
+    errors = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
+    assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "\x1b[" not in result.stderr, result.stderr
+    assert re.search(r"non-finite grad norm (nan|inf) at step \d", errors[0]) and "--lr is 10 here" in errors[0], errors

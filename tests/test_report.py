@@ -168,6 +168,19 @@ def test_the_demo_prints_its_ui_commands_unwrapped(tmp_path):
     assert "  http://127.0.0.1:4200" in lines
 
 
+def test_the_demos_ui_command_works_pasted_when_the_work_dir_has_a_space(tmp_path):
+    """The shell reads the printed command as the demo meant it: PREFECT_HOME is the whole path (issue 40)."""
+    import shlex
+
+    from v4rl.demo import ui_hint_lines
+
+    home = tmp_path / "my runs" / "demo's home" / "prefect-home"
+    (command,) = [x for x in ui_hint_lines(home) if "prefect server start" in x]
+    words = shlex.split(command)
+    assert words[0] == f"PREFECT_HOME={home}" and words[1:] == [".venv/bin/prefect", "server", "start", "--host",
+                                                                "127.0.0.1"], words
+
+
 def test_demo_links_only_to_a_ui_that_exists(tmp_path):
     """Prefect's own url_for under the demo's client settings: no link for the UI-less server, a link to the served
     UI with --ui (the "View at" lines of every flow and subflow come from url_for)."""

@@ -176,11 +176,12 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
     if problems:
         _fail("\nerror: ".join(problems))
     from engines.train.run_lock import RunDirBusy, hold_run_dir
+    from engines.train.stopping import sigterm_as_interrupt
 
     created = not out.exists()
     try:  # before torch loads: a second run on this directory is refused in a second, naming the one that has it
-        with hold_run_dir(out, log=typer.echo):
-            summary = _train_run(out, created, base=base, steps=steps, save_interval=save_interval, n_eval=n_eval,
+        with hold_run_dir(out, log=typer.echo), sigterm_as_interrupt() as terminated:
+            _train_run(out, created, terminated, base=base, steps=steps, save_interval=save_interval, n_eval=n_eval,
                                  lr=lr, use_ray=ray, tensorboard=tensorboard, wandb=wandb, train_data=train_data,
                                  eval_data=eval_data, input_key=input_key, label_key=label_key, reward=reward,
                                  eval_reward=eval_reward, max_grader_error_ratio=max_grader_error_ratio,
@@ -192,16 +193,28 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                  dynamic_sampling=dynamic_sampling, rollout_correction=correction)
     except RunDirBusy as exc:
         _fail(f"--out {exc}")
-    for ev in summary["evals"]:
-        typer.echo(f"eval step {ev['step']}: " + " ".join(f"{k} {ev[k]:.3f}" for k in ("pass@1", "pass@8") if k in ev))
+    _say_summary(out)
 
 
-def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, train_data: Path | None,
-               eval_data: Path | None, base: Path | None, prompts_per_step: int, n_samples: int, eval_interval: int,
-               eval_samples: int, seed: int, dynamic_sampling: bool, **fields) -> dict:
-    """`v4rl train` once the run directory is held: the run, or its failure or interruption in words."""
+def _say_summary(out: Path) -> None:
+    """Where the run's report, plots and checkpoints are (the report is written now, engines/train/summary.py)."""
+    from engines.train.summary import run_summary
+
+    try:
+        lines = run_summary(out)
+    except (OSError, ValueError) as exc:  # a run that cannot be summarized still ended as it did: say why, briefly
+        lines = [f"no report: {type(exc).__name__}: {exc}"]
+    typer.echo("\n".join(["summary:", *(f"  {line}" for line in lines)]))
+
+
+def _train_run(out: Path, created: bool, terminated: list[int], *, tensorboard: bool, wandb: bool,
+               train_data: Path | None, eval_data: Path | None, base: Path | None, prompts_per_step: int,
+               n_samples: int, eval_interval: int, eval_samples: int, seed: int, dynamic_sampling: bool,
+               **fields) -> dict:
+    """`v4rl train` once the run directory is held: the run, or its failure or interruption in words.
+    `terminated` is non-empty once SIGTERM came (engines/train/stopping.py sigterm_as_interrupt)."""
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training, tiny_loop
-    from v4rl.errors import is_run_failure, one_line_error
+    from v4rl.errors import is_run_failure, one_line_error, root_cause
     from v4rl.train_flags import as_flags
 
     sinks = [name for name, wanted in (("tensorboard", tensorboard), ("wandb", wandb)) if wanted]
@@ -211,20 +224,34 @@ def _train_run(out: Path, created: bool, *, tensorboard: bool, wandb: bool, trai
                                 loop=tiny_loop(prompts_per_step=prompts_per_step, n_samples=n_samples,
                                                eval_interval=eval_interval, eval_samples=eval_samples, seed=seed,
                                                dynamic_sampling=dynamic_sampling))
-        return run_training(out, config)
+        return run_training(out, config, log=lambda line: print(as_flags(line), flush=True))
     except ValueError as exc:
+        if terminated:
+            _interrupted(out, terminated)
         if created and not (out / "config.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
         _fail(as_flags(str(exc)))
     except KeyboardInterrupt:
-        from engines.train.kept import kept_after_interrupt
-
-        typer.secho(f"interrupted: {kept_after_interrupt(out)}", fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(code=130) from None
+        _interrupted(out, terminated)
     except Exception as exc:
+        if terminated:  # SIGTERM to a whole process group also ends the Ray workers: the driver may see that first
+            _interrupted(out, terminated)
+        if isinstance(root_cause(exc), FloatingPointError):  # diverged: a NaN/inf gradient, raised in the trainer
+            _fail(f"{as_flags(one_line_error(exc))}; --lr is {fields['lr']:g} here (the tiny-cpu preset's: "
+                  f"{TINY['lr']:g})")
         if not is_run_failure(exc):
             raise  # a bug: its traceback is what helps
         _fail(one_line_error(exc))  # a full disk, a hung step, a stop: the cause in one line, not Ray's dump
+
+
+def _interrupted(out: Path, terminated: list[int]) -> None:
+    """Ctrl-C or SIGTERM: what was kept and where the same command resumes, the summary; exit 130 or 143."""
+    from engines.train.kept import kept_after_interrupt
+
+    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    typer.secho(f"{how}: {kept_after_interrupt(out)}", fg=typer.colors.YELLOW, err=True)
+    _say_summary(out)
+    raise typer.Exit(code=143 if terminated else 130)
 
 
 @app.command()

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from engines import TINY_BASE
 from engines.presets.runs import SHORT_RUNS
+from engines.train.summary import pass_at_k_lines
 
 ASSET = TINY_BASE
 QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -32,9 +34,10 @@ QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
 
 
 def ui_hint_lines(home: Path) -> list[str]:
-    """How to open the finished run in the Prefect UI: each command and the URL on a line of its own."""
+    """How to open the finished run in the Prefect UI: each command and the URL on a line of its own, the path
+    quoted for the shell where it needs it (a space in the work dir)."""
     return ["", "Open the run in the Prefect UI (Runs -> rl-pipeline, Artifacts):",
-            f"  PREFECT_HOME={home} .venv/bin/prefect server start --host 127.0.0.1",
+            f"  PREFECT_HOME={shlex.quote(str(home))} .venv/bin/prefect server start --host 127.0.0.1",
             "  http://127.0.0.1:4200",
             "or run `v4rl demo --ui`, which keeps its server and UI up at the end"]
 
@@ -151,33 +154,6 @@ def _say_interrupted(console: Console, run_dir: Path, home: Path | None) -> None
     where = f"the demo's Prefect server (PREFECT_HOME={home})" if home else os.environ.get("PREFECT_API_URL")
     console.print(f"\n[yellow]interrupted[/]: the rl-pipeline flow run is marked Crashed in {where}; "
                   f"{kept_after_interrupt(run_dir)}", soft_wrap=True)  # one line: paths paste whole
-
-
-def pass_at_k_lines(run_dir: Path) -> list[str]:
-    """Held-out pass@1 and pass@8 at the first and last evaluation, each ± one standard error over the problems,
-    and how large a change must be to stand out of that noise (about twice the larger standard error)."""
-    from engines.train.runlog import RunLog
-
-    evals = RunLog(run_dir).evals()
-    if not evals:
-        return []
-    first, last = evals[0], evals[-1]
-    lines = []
-    for key in ("pass@1", "pass@8"):
-        if key not in first or key not in last:
-            continue
-        errs = [e.get(f"{key}_stderr") for e in (first, last)]
-        shown = [f"{e[key]:.3f}" + (f" ± {err:.3f}" if err is not None else "") for e, err in zip((first, last), errs)]
-        line = f"held-out {key}: step {first['step']} {shown[0]} -> step {last['step']} {shown[1]}"
-        if None not in errs:
-            change, noise = last[key] - first[key], 2 * max(errs)
-            verdict = "beyond" if abs(change) > noise else "within"
-            line += f" (change {change:+.3f}, {verdict} the noise of ±{noise:.3f})"
-        lines.append(line)
-    if "n_problems" in last:
-        lines.append(f"({last['n_problems']} held-out problems x {last.get('n_samples', '?')} samples per evaluation;"
-                     " ± is one standard error over the problems)")
-    return lines
 
 
 def _serve_until_interrupted(server: subprocess.Popen) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 FIELDS = ("train_data", "eval_data", "prompts_per_step", "n_samples", "n_eval", "eval_interval", "eval_reward",
-          "max_grader_error_ratio", "rollout_expert_dtype", "rollout_weights", "dynamic_sampling")
+          "max_grader_error_ratio", "rollout_expert_dtype", "rollout_weights", "dynamic_sampling", "lr")
 """TrainRunConfig / LoopConfig fields that are `v4rl train` flags of the same name with dashes (input_key and
 label_key are not here: the data loader's message names both spellings itself)."""
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,21 +58,35 @@ def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
         return
     logging.getLogger("ray._private.worker").addFilter(_NO_THREAD_SIGTERM_WARNING)  # adding it again is a no-op
     if address:
-        ray.init(address=address, namespace="v4rl", log_to_driver=True)
+        with _keep_sigterm_handler():
+            ray.init(address=address, namespace="v4rl", log_to_driver=True)
         started = False
     else:
         # The local raylet, and every worker it starts, inherits this process's environment: LOCAL_RAY_ENV (set
         # above) and the repo on PYTHONPATH reach the actors without a runtime_env, which starts each worker
         # through Ray's setup_worker (a second interpreter start: 0.7 CPU-s and 0.6 s more per actor, measured).
         os.environ["PYTHONPATH"] = _pythonpath()
-        ray.init(num_cpus=num_cpus or os.cpu_count(), namespace="v4rl", include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True)
+        with _keep_sigterm_handler():
+            ray.init(num_cpus=num_cpus or os.cpu_count(), namespace="v4rl", include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=True)
         started = True
     try:
         yield {"address": address or "local", "started": started}
     finally:
         if started:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """A SIGTERM handler the caller set in Python (`v4rl train`: stop as on Ctrl-C, engines/train/stopping.py) is
+    put back after ray.init, which replaces it with its driver's: a C++ stack dump, then abort (exit 134)."""
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _pythonpath() -> str:

@@ -30,6 +30,7 @@ from engines.train.run_lock import hold_run_dir
 from engines.train.runlog import RunLog
 from engines.train.sinks import check_sink_names, open_sinks
 from engines.train.stopping import StopRequest, TrainingStopped
+from engines.train.summary import eval_line
 from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
 from rl.loss_setting import DEFAULT_LOSS_AGGREGATION, LossAggregation, check_loss_aggregation
@@ -171,7 +172,12 @@ class TrainRunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainRunConfig":
         """The config from its dict form (to_dict, dataclasses.asdict, config.json): how it crosses the Prefect
-        task boundary; a field left out takes its default."""
+        task boundary; a field left out takes its default, an unknown one is refused naming the closest."""
+        from rl.known_fields import check_known_fields
+
+        check_known_fields(data, cls.__dataclass_fields__, "TrainRunConfig")
+        if "loop" in data:
+            check_known_fields(data["loop"], LoopConfig.__dataclass_fields__, "TrainRunConfig.loop")
         return cls(**{**data, "loop": LoopConfig(**data["loop"])} if "loop" in data else data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,6 +206,13 @@ def _task_data(config: TrainRunConfig, tokenizer, run_dir: Path, log: Callable[[
                                     input_key=config.input_key, label_key=config.label_key)
             data[2 * slot], data[2 * slot + 1] = loaded.prompt_ids, loaded.labels
             record_dataset(run_dir, what, loaded.report, log)
+    trained = {tuple(p) for p in data[0]}
+    shared = sum(tuple(p) in trained for p in data[2])
+    if shared:  # e.g. the same file for both: pass@k would then not measure generalization, and nothing said so
+        warn(run_dir, f"warning: {shared} of the {len(data[2])} held-out prompts (eval_data "
+                      f"{config.eval_data or '(synthetic)'}) are also training prompts (train_data "
+                      f"{config.train_data or '(synthetic)'}), so held-out pass@k measures prompts the run trains "
+                      "on; give eval_data rows that train_data does not hold", log)
     return tuple(data)
 
 
@@ -226,7 +239,17 @@ def record_dataset(run_dir: Path, what: str, report, log: Callable[[str], None])
     """Log a data file's kept/dropped counts and record them once in events.jsonl (the report lists events)."""
     message = f"{what}: {report.summary()}"
     log(message)
-    event = {"step": 0, "action": "data", "what": what, **report.to_dict(), "message": message}
+    _event_once(run_dir, {"step": 0, "action": "data", "what": what, **report.to_dict(), "message": message})
+
+
+def warn(run_dir: Path, message: str, log: Callable[[str], None]) -> None:
+    """Log a warning about the run's setup and record it once in events.jsonl (a resumed run logs it again)."""
+    log(message)
+    _event_once(run_dir, {"step": 0, "action": "warning", "message": message})
+
+
+def _event_once(run_dir: Path, event: dict) -> None:
+    message = event["message"]
     path = Path(run_dir) / "events.jsonl"
     seen = path.read_text().splitlines() if path.exists() else []
     if not any(json.loads(line).get("message") == message for line in seen if line.strip()):
@@ -455,14 +478,15 @@ class _RunHooks:
 
     def log_metrics(self, step: int, metrics: dict) -> None:
         self.runlog.append_metrics(step, metrics)
+        self.log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "  # before the step's evaluation, if any
+                 f"|Δlogprob| {metrics.get('train/train_rollout_logprob_abs_diff', float('nan')):.4f} "
+                 f"({metrics['perf/step_time']:.1f}s)")
 
     def log_eval(self, step: int, result: dict) -> None:
         self.runlog.write_eval(step, result)
+        self.log(eval_line(step, result))  # as it lands: an interrupted run has shown every evaluation it made
 
     def step_done(self, step: int, metrics: dict) -> int | None:
-        self.log(f"step {step}: reward {metrics['rollout/raw_reward']:.3f} "
-                 f"|Δlogprob| {metrics.get('train/train_rollout_logprob_abs_diff', float('nan')):.4f} "
-                 f"({metrics['perf/step_time']:.1f}s)")
         if metrics["rollout/no_learning_signal"]:
             self.log(no_signal_warning(step, metrics, self.config))
         if self.on_step:
@@ -553,14 +577,19 @@ class _workers:
         for actor in (self._actors.trainer, self._actors.rollout):
             ray.kill(actor)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, exc, tb) -> None:
         if not self.config.use_ray:
             self._rollout.stop()
             return
         try:
-            self._actors.shutdown()
+            if kind is not None and issubclass(kind, KeyboardInterrupt):
+                # Ctrl-C or SIGTERM: a SIGTERM to the process group (timeout, systemd, Slurm) also ended the local
+                # cluster's GCS, and a call to an actor would then wait out its timeout; ray.kill does not wait
+                self.kill()
+            else:
+                self._actors.shutdown()
         finally:
-            self._session.__exit__(*exc)
+            self._session.__exit__(kind, exc, tb)
 
 
 def _safe_key(name: str) -> str:

@@ -12,14 +12,20 @@ which ends any remote call blocked on them), and the training raises TrainingSto
     ... if stop.is_set(): raise TrainingStopped(stop.reason)
     request_stop(run_dir, "the flow run was cancelled")   # the flow's main thread
 
+`v4rl train` runs its training on the main thread: there SIGTERM (what `timeout`, systemd, Slurm and Kubernetes
+send) ends it as Ctrl-C does, through `sigterm_as_interrupt()`, which turns the signal into Terminated, a
+KeyboardInterrupt.
+
 No Prefect import: the library below the flows stays Prefect-free.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -108,3 +114,31 @@ def clear_stop(run_dir: str | Path) -> None:
     """Forget the run's stop request (a new flow run of the same run key in this process starts clean)."""
     with _REQUESTS_LOCK:
         _REQUESTS.pop(_key(run_dir), None)
+
+
+class Terminated(KeyboardInterrupt):
+    """The process got SIGTERM: raised where Ctrl-C's KeyboardInterrupt would be, so it ends the run the same way."""
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[list[int]]:
+    """Within the block SIGTERM raises Terminated in the main thread, once: `timeout` signals the command and then
+    its process group, so a second SIGTERM would interrupt the cleanup the first one started. Ray's `ray.init`
+    replaces the handler (its own ends in a stack dump and exit 134); engines/train/cluster.py puts it back. Off
+    the main thread (a flow's training task) nothing changes: the flow's main thread gets the signal. Yields the
+    list the signal is recorded in (empty until it came)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame) -> None:
+        if not received:
+            received.append(signum)
+            raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
