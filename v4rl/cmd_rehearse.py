@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import typer
@@ -66,7 +67,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(code=1) from None
         except KeyboardInterrupt:  # rehearse() stopped what it started and said where its work is
             raise typer.Exit(code=130) from None
-        typer.echo(substitution_table(report.substitutions))
+        typer.echo(substitution_table(report.substitutions, width=shutil.get_terminal_size((120, 24)).columns))
         for line in metrics_summary(MilesMetrics(report.rollouts, report.evals)):
             typer.echo(line)
         if report.logprob_bound:
@@ -80,5 +81,33 @@ def register(app: typer.Typer) -> None:
         for name, s in report.stages.items():
             typer.echo(f"stage {name}: {'ok' if s['ok'] else 'FAILED'} in {s['seconds']} s"
                        + (f" - {s['error']}" if s["error"] else ""))
+        typer.echo(verdict(report))
         if failed:
             raise typer.Exit(code=1)
+
+
+def verdict(report) -> str:
+    """The rehearsal's last line: passed or FAILED, the stages, and what they showed (rollouts, evaluations, the
+    largest train/rollout |Δlogprob| against its bound, weight checks, the resume), so a pass is read at a glance."""
+    stages = report.stages
+    failed = [name for name, s in stages.items() if not s["ok"]]
+    passed = [name for name in stages if name not in failed]
+    plural = lambda n, what: f"{n} {what}{'' if n == 1 else 's'}"  # noqa: E731
+    facts = [f"Miles generation {report.generation}", plural(len(report.rollouts), "rollout") + " logged",
+             plural(len(report.evals), "evaluation")]
+    diffs = [v["train/train_rollout_logprob_abs_diff"] for v in report.rollouts.values()
+             if "train/train_rollout_logprob_abs_diff" in v]
+    if diffs and report.logprob_bound:
+        bound = report.logprob_bound["broadcast_bound" if "full" in stages else "bound"]
+        facts.append(f"max |Δlogprob| {max(diffs):.4f} (bound {bound:.4f})")
+    if report.weight_checks:
+        equal = sum(bool(c.get("ok")) for c in report.weight_checks)
+        facts.append(f"{equal}/{len(report.weight_checks)} weight checks equal")
+    if report.resumed_from:
+        facts.append(f"resumed from iteration {report.resumed_from.get('latest_checkpointed_iteration')}")
+    shown = ", ".join(f"stage {name}" for name in passed) or "no stage"
+    if not failed:
+        return f"rehearsal passed: {shown} ({'; '.join(facts)})"
+    first = stages[failed[0]]
+    return (f"rehearsal FAILED at stage {failed[0]}: {first['error'] or 'see its log'}"
+            + (f" (passed: {shown})" if passed else ""))

@@ -303,10 +303,25 @@ def _profile(preset: RunPreset):
     return get_profile(preset.profile)
 
 
-def substitution_table(subs: list[Substitution]) -> str:
-    """The rows as an aligned text table for the terminal."""
+def substitution_table(subs: list[Substitution], width: int = 120) -> str:
+    """The rows as an aligned text table `width` columns wide. Flag and values are clipped at 60 characters (the
+    --json report has them whole); the why is never cut: wrapped under its column, or on indented lines below its
+    row when the values leave that column under 30 characters."""
+    import textwrap
+
     rows = [("flag or variable", "cluster", "rehearsal", "why")] + [(s.name, s.cluster, s.rehearsal, s.why)
                                                                     for s in subs]
-    clip = [tuple(c if len(c) <= 60 else c[:57] + "..." for c in row) for row in rows]
+    clip = [tuple(c if len(c) <= 60 else c[:57] + "..." for c in row[:3]) + (row[3],) for row in rows]
     widths = [max(len(r[i]) for r in clip) for i in range(3)]
-    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in clip)
+    start = sum(widths) + 6
+    whole = {"break_on_hyphens": False, "break_long_words": False}  # a flag or a path stays one piece
+    lines = []
+    for row in clip:
+        head = "  ".join(row[i].ljust(widths[i]) for i in range(3))
+        if width - start >= 30:
+            why = textwrap.wrap(row[3], width - start, **whole) or [""]
+            lines += [f"{head}  {why[0]}"] + [" " * start + part for part in why[1:]]
+        else:
+            lines += [head.rstrip()] + textwrap.wrap(row[3], width, initial_indent="    ", subsequent_indent="    ",
+                                                     **whole)
+    return "\n".join(lines)
