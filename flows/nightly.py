@@ -17,10 +17,10 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from engines.presets.runs import SHORT_RUNS
-from flows.params import PipelineParams
+from flows.params import FlowParams, PipelineParams
 from flows.rl_pipeline import rl_pipeline
 
 NIGHTLY_RUN = SHORT_RUNS["nightly"]
@@ -29,10 +29,8 @@ HISTORY_PREFIX = "runs/"
 RECORD = "nightly.json"
 
 
-class NightlyParams(BaseModel):
-    """Bad values fail before anything runs, naming the parameter (inputs are never echoed: see PipelineParams)."""
-
-    model_config = ConfigDict(hide_input_in_errors=True)
+class NightlyParams(FlowParams):
+    """Bad values fail before anything runs, naming the parameter; an unknown one names the closest (FlowParams)."""
 
     preset: str = Field("tiny-cpu", description="Run preset of the validation run; history is compared per preset.")
     steps: int = Field(NIGHTLY_RUN["steps"], ge=1, description="GRPO steps of the validation run.")

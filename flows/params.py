@@ -24,6 +24,7 @@ from engines.presets.spec import RehearsalStage
 
 from rl.correction_setting import MIS_ALTERNATIVE, MIS_EXAMPLE, Mode, RolloutCorrection
 from rl.field_docs import field_docs
+from rl.known_fields import check_known_fields
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,13 +44,27 @@ _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_s
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""
 
 
-class PipelineParams(BaseModel):
+class FlowParams(BaseModel):
+    """A flow's parameters: a field that is not one of them is refused, naming it and the closest field (`{"stepz":
+    3}` would otherwise run the default 100 steps). Inputs are never echoed in validation errors
+    (hide_input_in_errors): a secret pasted into the wrong field stays out of logs."""
+
+    # extra="forbid" also puts additionalProperties: false in the schema Prefect's server checks a run's
+    # parameters against; the validator below runs first and says which field was meant
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data):
+        if isinstance(data, dict):
+            check_known_fields(data, cls.model_fields, "")  # Prefect's message names the parameter (params: ...)
+        return data
+
+
+class PipelineParams(FlowParams):
     """What one rl-pipeline run does. Field descriptions show in the Prefect UI's run form.
 
-    Bad values fail before anything runs, naming the parameter and the fix. Inputs are never echoed in
-    validation errors (hide_input_in_errors): a secret pasted into the wrong field stays out of logs."""
-
-    model_config = ConfigDict(hide_input_in_errors=True)
+    Bad values fail before anything runs, naming the parameter and the fix (an unknown one: FlowParams)."""
 
     preset: Literal["tiny-cpu", "dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu"] = Field(
         "tiny-cpu", description="tiny-cpu runs here end to end; the dsv4-flash-mi355x presets run Miles on an existing "

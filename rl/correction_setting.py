@@ -123,10 +123,9 @@ class RolloutCorrection:
         if isinstance(value, str):
             return cls(mode=value)
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-            if unknown:
-                raise ValueError(f"rollout_correction has unknown keys {unknown}; known: "
-                                 f"{', '.join(cls.__dataclass_fields__)}")
+            from rl.known_fields import check_known_fields
+
+            check_known_fields(value, cls.__dataclass_fields__, "rollout_correction")
             return cls(**value)
         raise ValueError(f"rollout_correction must be a mode name or a mapping of {', '.join(cls.__dataclass_fields__)}"
                          f", got {type(value).__name__}")

@@ -116,7 +116,7 @@ def test_batch_sample_and_rollout_rules():
 
 
 def test_bad_input_is_a_value_error_not_a_rejection():
-    with pytest.raises(ValueError, match="unknown override"):
+    with pytest.raises(ValueError, match="preset overrides: unknown field .tensor_parallel."):
         preflight_plan(SEED, {"tensor_parallel": 2})
     with pytest.raises(ValueError, match="unknown preset"):
         preflight_plan("dsv4-pro")

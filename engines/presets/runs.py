@@ -25,6 +25,7 @@ from engines.layout import (ClusterSpec, InfeasibleLayout, LayoutInput, ModelSha
 from engines.profiles import HardwareProfile, get_profile
 from engines.presets.spec import AlgorithmSpec, DataSpec, EvalSpec, MilesSettings, RunPreset
 from rl.correction_setting import RolloutCorrection
+from rl.known_fields import check_known_fields
 
 SEED_RUN = RunPreset(
     name="dsv4-flash-mi355x",
@@ -177,9 +178,7 @@ def apply_overrides(preset: RunPreset, overrides: Mapping[str, Any] | None) -> t
     of the preset's model; reading it imports the model package, so it costs the torch import once).
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None and k not in ("profile", "model_config")}
-    unknown = sorted(set(given) - set(OVERRIDES))
-    if unknown:
-        raise ValueError(f"unknown override(s) {unknown}; known: {', '.join(sorted(OVERRIDES))}")
+    check_known_fields(given, OVERRIDES, "preset overrides")
     parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     if "pp" in given:  # an explicit PP takes its stage sizes from pp_first/pp_last only, not from the preset
         parts["parallel"].update(first_stage_layers=None, last_stage_layers=None)
