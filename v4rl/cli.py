@@ -34,6 +34,7 @@ TINY = run_numbers("tiny-cpu")
 
 SAVE_INTERVAL = field_default_and_doc("engines.train.run", "TrainRunConfig", "save_interval")
 ROLLOUT_WEIGHTS = field_default_and_doc("engines.train.run", "TrainRunConfig", "rollout_weights")
+LOSS_AGGREGATION = field_default_and_doc("engines.train.run", "TrainRunConfig", "loss_aggregation")
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
     field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
     for name in ("mode", "opsm", "opsm_delta", "routing_replay"))
@@ -118,6 +119,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
           opsm_delta: float = typer.Option(CORRECTION_OPSM_DELTA[0], help=CORRECTION_OPSM_DELTA[1]),
           routing_replay: bool = typer.Option(CORRECTION_ROUTING_REPLAY[0], "--routing-replay",
                                               help=CORRECTION_ROUTING_REPLAY[1]),
+          loss_aggregation: str = typer.Option(LOSS_AGGREGATION[0], help=LOSS_AGGREGATION[1]),
           train_data: Path = typer.Option(None, help="JSONL/parquet of {prompt, label} rows (default: the synthetic "
                                                      "addition task); bad rows (a malformed JSON line too) are "
                                                      "dropped and counted. The tiny base solves only its own wording: "
@@ -161,6 +163,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
     # Paths and settings first, in a second, before torch, Ray or a tokenizer loads; nothing is written yet. Every
     # mistake of the command line at once, each under its flag (v4rl/train_flags.py)
     from rl.correction_setting import RolloutCorrection
+    from rl.loss_setting import check_loss_aggregation
     from v4rl.train_flags import setting_problems
 
     problems = [p for p in (inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
@@ -173,6 +176,10 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                        routing_replay=routing_replay)
     except ValueError as exc:
         problems.append(f"--rollout-correction / --opsm-delta: {exc}")
+    try:
+        check_loss_aggregation(loss_aggregation, "--loss-aggregation")
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         _fail("\nerror: ".join(problems))
     from engines.train.run_lock import RunDirBusy, hold_run_dir
@@ -190,7 +197,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
                                  quantization_aware=rollout_weights == "fp8", prompts_per_step=prompts_per_step,
                                  n_samples=n_samples, eval_interval=eval_interval, eval_samples=eval_samples,
                                  seed=seed,
-                                 dynamic_sampling=dynamic_sampling, rollout_correction=correction)
+                                 dynamic_sampling=dynamic_sampling, rollout_correction=correction,
+                                 loss_aggregation=loss_aggregation)
     except RunDirBusy as exc:
         _fail(f"--out {exc}")
     _say_summary(out)

@@ -33,7 +33,7 @@ from engines.train.stopping import StopRequest, TrainingStopped
 from engines.train.summary import eval_line
 from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
-from rl.loss_setting import DEFAULT_LOSS_AGGREGATION, LossAggregation, check_loss_aggregation
+from rl.loss_setting import LossAggregation, check_loss_aggregation
 from rl.loop import LoopConfig, TaskData, run_grpo, sync_weights
 from rl.reward_spec import check_reward, check_reward_spec, resolve_reward
 from engines import TINY_BASE
@@ -103,10 +103,11 @@ class TrainRunConfig:
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     """How the loss corrects the train/rollout logprob mismatch (rl/corrections.py): the seed's token TIS by
     default; a mode name or the asdict form (config.json) is accepted too."""
-    loss_aggregation: LossAggregation = DEFAULT_LOSS_AGGREGATION
+    loss_aggregation: LossAggregation = "sample-mean"  # rl.loss_setting.DEFAULT_LOSS_AGGREGATION, as a literal
     """How the policy loss averages its tokens (rl/loss_setting.py): sample-mean (each sample's token mean, averaged
     over the step's samples: what the cluster job trains, Miles' default) or token-mean (the mean over all the
-    step's tokens: Miles --calculate-per-token-loss, TRL's dapo). Anything else is refused naming the two."""
+    step's tokens: Miles --calculate-per-token-loss, TRL's dapo). A run from before this setting trained token-mean
+    and resumes only with it."""
     use_ray: bool = True
     """Host trainer and rollout as Ray actors (False: in this process, for debugging)."""
     call_timeout_s: float = 900.0
