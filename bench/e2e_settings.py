@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from engines import TINY_BASE
+from rl.loss_setting import LossAggregation, check_loss_aggregation
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = TINY_BASE
@@ -51,6 +52,10 @@ class E2ESettings:
     """HF DeepSeek-V4 checkpoint both sides start from."""
     max_tokens_per_gpu: int = 8192
     """v4rl's micro-batch token budget; TRL's per_device_train_batch_size is chosen to fill the same budget."""
+    loss_aggregation: LossAggregation = "token-mean"
+    """Both sides' loss aggregation (rl/loss_setting.py): token-mean (v4rl's token mean, TRL's loss_type "dapo")
+    or sample-mean (each sample's token mean averaged over the step: v4rl's and the cluster job's default, TRL's
+    "grpo"). token-mean keeps the comparison the bench has always run."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "max_new_tokens", "n_eval", "n_train", "max_tokens_per_gpu"):
@@ -66,6 +71,7 @@ class E2ESettings:
             raise ValueError(f"E2ESettings.temperature={self.temperature} must be > 0 (both sides sample)")
         if self.prompts_per_step > self.n_train:
             raise ValueError(f"E2ESettings.prompts_per_step={self.prompts_per_step} exceeds n_train={self.n_train}")
+        check_loss_aggregation(self.loss_aggregation, "E2ESettings.loss_aggregation")
         if not (Path(self.base) / "config.json").exists():
             raise ValueError(f"E2ESettings.base={self.base} holds no config.json; point it at an HF DeepSeek-V4 "
                              "checkpoint (default: engines/tiny_base)")
@@ -91,7 +97,7 @@ def v4rl_config(settings: E2ESettings):
 
     s = settings
     return TrainRunConfig(base=s.base, steps=s.steps, save_interval=s.steps, n_eval=s.n_eval, n_train=s.n_train,
-                          lr=s.lr, max_tokens_per_gpu=s.max_tokens_per_gpu,
+                          lr=s.lr, max_tokens_per_gpu=s.max_tokens_per_gpu, loss_aggregation=s.loss_aggregation,
                           loop=LoopConfig(prompts_per_step=s.prompts_per_step, n_samples=s.n_samples,
                                           temperature=s.temperature, max_new_tokens=s.max_new_tokens,
                                           eval_interval=0, eval_samples=s.eval_samples, seed=s.seed,

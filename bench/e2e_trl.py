@@ -40,6 +40,9 @@ DIFFERENCES = {
 """Settings both sides cannot share, and why (the JSON carries them)."""
 
 
+TRL_LOSS_TYPE = {"token-mean": "dapo", "sample-mean": "grpo"}
+"""TRL's loss_type of each v4rl loss aggregation (tests/test_trl_loss_parity.py checks both on TRL's own loss)."""
+
 TRL_PIN = "trl==1.16.0"
 """What pyproject's `bench` extra installs: the newest TRL, checked against transformers 5.23 and torch 2.13."""
 
@@ -78,7 +81,9 @@ def micro_batch_size(settings: E2ESettings, longest_sequence: int) -> int:
 
 def trl_config(settings: E2ESettings, output_dir: str, longest_prompt: int):
     """TRL's GRPOConfig for the shared settings: one generation of prompts x samples and one AdamW step per
-    GRPO step, token-mean (DAPO) loss with v4rl's clip range, no KL term, v4rl's optimizer, CPU."""
+    GRPO step, the settings' loss aggregation (token-mean: TRL's "dapo", sample-mean: its "grpo", which averages
+    each micro-batch's sample means and divides by the accumulation steps: equal micro-batches make that the
+    step's sample mean) with v4rl's clip range, no KL term, v4rl's optimizer, CPU."""
     from trl import GRPOConfig
 
     from engines.train.trainer import TrainerConfig
@@ -97,7 +102,8 @@ def trl_config(settings: E2ESettings, output_dir: str, longest_prompt: int):
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
         adam_beta1=optimizer.betas[0], adam_beta2=optimizer.betas[1], weight_decay=optimizer.weight_decay,
         max_grad_norm=ours.max_grad_norm,
-        loss_type="dapo", epsilon=ours.clip_low, epsilon_high=ours.clip_high, beta=0.0,  # v4rl: no KL term
+        loss_type=TRL_LOSS_TYPE[s.loss_aggregation], epsilon=ours.clip_low, epsilon_high=ours.clip_high,
+        beta=0.0,  # v4rl: no KL term
         scale_rewards="group" if v4rl_config(s).loop.normalize_std else "none", mask_truncated_completions=False,
         router_aux_loss_coef=0.0,  # v4rl has no load-balancing loss; TRL would add the model config's
         activation_checkpointing=False,  # TRL defaults to recomputing activations; v4rl does not (recompute off)
