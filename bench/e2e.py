@@ -2,8 +2,9 @@
 
 Both sides start from the same base (engines/tiny_base), train on the same prompts and labels in the same
 order (v4rl's step schedule over the synthetic task), with the same prompts x samples per step, max new tokens,
-temperature, constant AdamW learning rate and betas, gradient clip, clip range, token-mean loss and no KL term,
-on CPU (bench/e2e_settings.py; what differs and why: bench/e2e_trl.py DIFFERENCES, also in the JSON).
+temperature, constant AdamW learning rate and betas, gradient clip, clip range, loss aggregation (token-mean
+unless E2ESettings.loss_aggregation says sample-mean) and no KL term, on CPU (bench/e2e_settings.py; what differs
+and why: bench/e2e_trl.py DIFFERENCES, also in the JSON).
 
   v4rl   engines.train.run.run_training, exactly what `v4rl train` runs: rollout server and trainer as Ray
          actors, rollout over HTTP, FP8 weight sync every step; in-run evaluation off.

@@ -6,8 +6,8 @@ tokens (ids 4..99, seeded), group-normalised advantages of random 0/1 rewards, f
 Both sides start from the same weights (engines/tiny_base unless `model_dir` names another checkpoint;
 transformers' DeepseekV4ForCausalLM via engines.train.hf_model.reference_from_native, one fresh copy each),
 run under BF16 autocast with fp32 master weights, and take one full GRPO step per timed run: zero_grad,
-forward + backward of every micro-batch, the same loss (rl.grpo.policy_loss with TIS, token-mean over the
-batch), gradient clipping and the AdamW step (the optimizer step is on both sides).
+forward + backward of every micro-batch, the same loss (rl.grpo.grpo_loss with TIS, aggregated over the
+batch as GRPOConfig's default says), gradient clipping and the AdamW step (the optimizer step is on both sides).
 
   ours          engines.train.trainer.Trainer.grpo_step: each micro-batch forwards its distinct prompts once
                 and continues every sample's response from the prompt's cache (expanded per sample), within

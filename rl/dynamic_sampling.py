@@ -3,7 +3,7 @@
 What it does
     A group (the n responses to one prompt) whose rewards are all equal (all wrong, or all
     right) has GRPO advantage 0 for every token: it adds nothing to the gradient but still
-    counts in the token-mean denominator, diluting the step. ``filter_groups`` finds the groups
+    counts in the loss's denominator (its tokens or its samples), diluting the step. ``filter_groups`` finds the groups
     that carry signal; ``DynamicSampler.sample(generate)`` asks the rollout for prompts, keeps
     the groups with signal, and asks for more until it holds ``target_groups`` of them.
 
