@@ -18,13 +18,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
-import typer.rich_utils  # noqa: E402
 
 HELP_WIDTH = 120
-"""Columns `--help` is laid out in at least: at rich's default of 80 (any pipe, a narrow terminal) the option
-column cuts names such as --prompts-per-step to `--prompts-per-…`. TERMINAL_WIDTH (typer's own setting) wins."""
-if not os.environ.get("TERMINAL_WIDTH"):
-    typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
+"""Columns `--help` uses at most (fewer on a narrower terminal: COLUMNS or the terminal's width). Help is click's
+plain layout, not typer's rich tables: those give the names, their --no- forms and the types a column each, and at
+120 columns left the help text 30-odd (`train --help` was 163 lines; an option name could wrap inside its cell).
+Click writes each option's names and type on one line and its help beside or below it, 80-odd columns wide; a usage
+error is one plain `Error:` line, not a boxed panel whose borders cut the message."""
 
 from engines.presets.runs import SHORT_RUNS, run_numbers  # noqa: E402
 from rl.field_docs import field_default_and_doc  # noqa: E402
@@ -38,7 +38,8 @@ LOSS_AGGREGATION = field_default_and_doc("engines.train.run", "TrainRunConfig", 
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
     field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
     for name in ("mode", "opsm", "opsm_delta", "routing_replay"))
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"max_content_width": HELP_WIDTH},
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
 
