@@ -137,6 +137,10 @@ def weight_version_spans(changes: list[tuple[str, int]], current: str, num_outpu
     return spans
 
 
-class EngineStopped(RuntimeError):
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve a request now; the message says why and what brings it back (HTTP 503)."""
+
+
+class EngineStopped(EngineUnavailable):
     """The engine was shut down while a request or command was pending."""
 

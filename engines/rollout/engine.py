@@ -57,6 +57,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     PAUSE_MODES,
     EngineConfig,
     EngineStopped,
+    EngineUnavailable,
     PauseMode,
     RequestOutput,
     RequestSpec,
@@ -64,7 +65,7 @@ from engines.rollout.api import (  # noqa: F401  (re-exported: callers import th
     weight_version_spans,
 )
 from engines.rollout.engine_updates import WeightUpdates
-from engines.rollout.memory import MemoryRegions
+from engines.rollout.memory import WEIGHTS_RELEASED, MemoryRegions
 from engines.rollout.limits import check_request_length, output_cap, scheduler_refusal
 from engines.rollout.prefill import PrefixCache, PrefixEntry, stack_routes, topk_rows
 from engines.rollout.sampling import UniformStream, sample_rows
@@ -142,7 +143,7 @@ class RolloutEngine(WeightUpdates):
         """The last decode step's logits [B, vocab] and its rows (each running request's next_logits)."""
         self._prefix = PrefixCache(self.model, self.config.prefix_cache_entries)
         self._paused = False
-        self._memory = MemoryRegions()  # released regions (memory.py); requests wait while one holds
+        self._memory = MemoryRegions()  # released regions (memory.py); nothing runs while the weights are freed
         self._session: dict[str, RawTensor] | None = None
         self._session_version: str | None = None
         self._deferred: deque[_Command] = deque()
@@ -174,7 +175,7 @@ class RolloutEngine(WeightUpdates):
                     if not f.done():
                         f.set_exception(cmd.exception())
 
-        self._call(lambda: self._waiting.extend(pending)).add_done_callback(failed)
+        self._call(lambda: self._admit(pending)).add_done_callback(failed)
         return futures
 
     def generate(self, specs: Sequence[RequestSpec], timeout: float | None = None) -> list[RequestOutput]:
@@ -208,7 +209,7 @@ class RolloutEngine(WeightUpdates):
         def snapshot() -> dict[str, Any]:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_update_session": self._session is not None,
-                    "memory_released": sorted(self._memory.released),
+                    "memory_released": sorted(self._memory.released), "weights_freed": self._memory.weights_freed,
                     "weight_version": self.weight_version, "prefix_cache_entries": len(self._prefix),
                     "stored_tensors": self.store.storage_summary(), "native_kernels": kernels.status(),
                     **self._stats}
@@ -289,7 +290,14 @@ class RolloutEngine(WeightUpdates):
 
     @property
     def _schedulable(self) -> bool:
-        return not self._paused and self._session is None and not self._memory.holds_requests
+        return not self._paused and self._session is None and not self._memory.weights_freed
+
+    def _admit(self, pending: list[_Request]) -> None:
+        if self._memory.weights_freed:  # at once: queued, a router's request or health probe would hang till resume
+            for r in pending:
+                r.future.set_exception(EngineUnavailable(WEIGHTS_RELEASED))
+            return
+        self._waiting.extend(pending)
 
     @staticmethod
     def _run(c: _Command) -> None:

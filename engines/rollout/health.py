@@ -4,7 +4,8 @@ As SGLang 0.5.23 (`http_server.py` health_generate): a one-token greedy request 
 counts as healthy as soon as the scheduler produces anything (the probe's token or any other request's),
 within SGLANG_HEALTH_CHECK_TIMEOUT seconds (default 20). A paused engine, or one inside a weight-update
 session, produces nothing, so the probe answers 503 once the timeout passes (SGLang's behaviour), unless
-generation resumes in time. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 turns /health into a liveness check.
+generation resumes in time; an engine whose weights are released (memory.py) refuses the probe: 503 at
+once. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 turns /health into a liveness check.
 
     status = await HealthProbe(engine).check()   # 200 or 503
 """

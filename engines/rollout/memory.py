@@ -7,20 +7,28 @@ every tag; `managers/scheduler_components/weight_updater.py`) pauses its torch_m
   cuda_graph  captured graphs
 It must be called while the engine is idle (an assertion there), the reply is HTTP 200 with a null body, and
 without `--enable-memory-saver` the pauses are no-ops (the adapter does nothing): only the flush happens.
-Miles (`SGLangEngine.release_memory_occupation`, called by `ray/rollout/server_group.py` offload/onload and engine
-recovery) flushes, releases all tags, trains, then resumes `weights`, pushes new weights, resumes `kv_cache`.
+Miles' orders (`SGLangEngine.release_memory_occupation` flushes first; train.py, `ray/rollout/server_group.py`):
+release all (null) at start and at engine recovery, then resume `weights`, push weights, resume `kv_cache` +
+`cuda_graph`; each step releases `cuda_graph` + `kv_cache` + `weights` (--offload-rollout-level's default) and
+resumes the same way.
 
-What the embedded engine frees (its memory is host RAM):
-  kv_cache    the prefix cache (prefilled sequences kept for reuse); no request holds KV when idle
+While regions are released SGLang keeps serving: its scheduler never reads the released tags when it admits a
+request (`offload_tags` only picks DP attention's gather group), so without --enable-memory-saver generation,
+/health and every control endpoint answer as usual (with it, a request would compute on paused memory).
+
+What the embedded engine frees (its memory is host RAM), and what it serves meanwhile:
+  kv_cache    the prefix cache (prefilled sequences kept for reuse); no request holds KV when idle, and a
+              request allocates its own, so requests run while it is released, as SGLang's would
   weights     with enable_memory_saver: every runtime tensor a weight update rebuilds (the dequantized fp32/bf16
               copies, the bulk of the engine's memory) and the fused kernels' packed copies of them; the stored
               FP8/FP4 checkpoint tensors stay (like SGLang's `enable_weights_cpu_backup`), so resume rebuilds
               the runtime copies from them: an update that arrives while released lands in the store and takes
-              effect at resume. Without enable_memory_saver nothing is freed (SGLang's no-op adapter).
+              effect at resume. Nothing can compute then: a new request is answered at once (HTTP 503,
+              WEIGHTS_RELEASED) and requests queued before the release wait for the resume. Without
+              enable_memory_saver nothing is freed (SGLang's no-op adapter) and requests run.
   cuda_graph  nothing (accepted: there are no graphs on CPU)
-While `weights` or `kv_cache` is released the engine admits no request: new ones queue until both are resumed
-(SGLang would compute with paused memory; its callers never send then). Release while requests run is refused
-with SGLang's message; an unknown tag or resuming a tag that is not released is refused with the tags to use.
+Release while requests run is refused with SGLang's message; an unknown tag or resuming a tag that is not
+released is refused with the tags to use.
 
     engine.release_memory_occupation(["weights"], free_weights=True)   # the engine runs the helpers below
     engine.resume_memory_occupation(None)
@@ -37,10 +45,11 @@ from engines.model import DeepseekV4
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 ALL_TAGS: tuple[str, ...] = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 """SGLang 0.5.23's GPU_MEMORY_ALL_TYPES (sglang/srt/constants.py), in its order."""
-HOLDING_TAGS = frozenset({KV_CACHE, WEIGHTS})
-"""Released tags under which no request is admitted."""
 NOT_IDLE = "release_memory_occupation should be called only when server is idle."
 """SGLang's assertion message when requests run."""
+WEIGHTS_RELEASED = ("the engine's weights are released (/release_memory_occupation with --enable-memory-saver); "
+                    'POST /resume_memory_occupation {"tags": ["weights"]} before generating')
+"""The answer to a request that arrives while the runtime weights are freed."""
 
 
 class MemoryOccupationError(ValueError):
@@ -63,10 +72,6 @@ class MemoryRegions:
     def __init__(self) -> None:
         self.released: set[str] = set()
         self._layout: dict[str, tuple[torch.Size, torch.dtype]] | None = None
-
-    @property
-    def holds_requests(self) -> bool:
-        return bool(self.released & HOLDING_TAGS)
 
     @property
     def weights_freed(self) -> bool:

@@ -8,7 +8,7 @@ Routes (bodies, defaults and replies as SGLang's `entrypoints/http_server.py`; r
                                     answers anything, 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), e.g.
                                     while paused; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 makes /health
                                     a liveness check (SGLang's switch)
-  GET  /ready                       200 while accepting requests, 503 while paused
+  GET  /ready                       200 while accepting requests, 503 while paused or the weights are freed
   GET  /model_info, /server_info    (and the deprecated /get_model_info, /get_server_info) SGLang's fields;
                                     a disk update moves `model_path`, `served_model_name`, `load_format`
   POST /pause_generation {"mode"}, /continue_generation, /abort_request {"rid", "abort_all"}
@@ -65,7 +65,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engines.rollout import control
-from engines.rollout.engine import EngineStopped, RolloutEngine
+from engines.rollout.engine import EngineUnavailable, RolloutEngine
 from engines.rollout.distributed_update import WeightUpdateGroups
 from engines.rollout.health import HealthProbe
 from engines.rollout.memory import MemoryOccupationError
@@ -144,8 +144,8 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_error(f"{exc} {exc.errors()}")
 
-    @app.exception_handler(EngineStopped)
-    async def stopped(_: Request, exc: EngineStopped) -> JSONResponse:
+    @app.exception_handler(EngineUnavailable)
+    async def unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
         return JSONResponse({"error": {"message": str(exc)}}, status_code=503)
 
     # ------------------------------------------------------------------ health and info
@@ -163,8 +163,8 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
     async def ready() -> Response:
         if not engine.alive:
             return Response(status_code=503)
-        paused = (await run_in_threadpool(engine.status))["paused"]
-        return Response(status_code=503 if paused else 200)
+        status = await run_in_threadpool(engine.status)
+        return Response(status_code=503 if status["paused"] or status["weights_freed"] else 200)
 
     @app.get("/model_info")
     @app.get("/get_model_info")
@@ -199,7 +199,7 @@ def create_app(engine: RolloutEngine, *, api_key: str | None = None,
                 break
         try:
             outputs = [f.result() for f in futures]
-        except EngineStopped:
+        except EngineUnavailable:
             raise
         except RuntimeError as exc:
             return JSONResponse({"error": {"message": str(exc)}}, status_code=500)

@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from engines.rollout.engine import EngineStopped, RequestOutput, RequestSpec, RolloutEngine
+from engines.rollout.engine import EngineUnavailable, RequestOutput, RequestSpec, RolloutEngine
 from engines.rollout.protocol import ContractError, RequestError, parse_generate, response_item
 
 DONE = b"data: [DONE]\n\n"
@@ -109,7 +109,7 @@ class _Chunker:
                     if isinstance(item, Future):
                         try:
                             newest[i] = item.result()
-                        except EngineStopped as exc:
+                        except EngineUnavailable as exc:  # shut down, or its weights released
                             yield error_event(str(exc), 503)
                             return
                         except RuntimeError as exc:  # a model error failed the step
