@@ -79,7 +79,8 @@ def _pipeline(params: PipelineParams, log) -> dict:
     preflight(params.preset, params.seed, backend=backend, hf_checkpoint=params.hf_checkpoint,
               train_data=params.train_data, eval_data=params.eval_data, prompts_per_step=params.prompts_per_step,
               n_eval=params.n_eval, reward=params.reward, eval_reward=params.eval_reward, input_key=params.input_key,
-              label_key=params.label_key)
+              label_key=params.label_key, store_url=store["store_url"], store_prefix=store["prefix"],
+              endpoint_url=store["endpoint_url"], secret_block=store["secret_block"])
     if params.rehearse:  # a cluster preset's Miles job on this host's CPU (tasks/rehearse.py); fails before any GPU
         rehearse(params.preset, params.rehearse, backend, str(run_dir), artifact_key=f"{artifact}-rehearsal")
     converted = convert(params.hf_checkpoint, str(run_dir / "torch_dist"), megatron_names=backend.megatron_names)

@@ -1,4 +1,5 @@
-"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), every CPU step
+"""Prefect task: fail fast before anything expensive: the parallel layout fits (engines/layout), the artifact store
+takes the run's uploads (a probe object written and deleted: engines/artifact_store check_store), every CPU step
 of the preset's pipeline fits this machine's memory for the checkpoint (engines/layout/cpu_fit.py), the data
 loads (with enough usable rows; bad rows are counted and named), and each dataset's reward works: a built-in
 grader on its golden cases, a user's reward function on one sample of its data (rl/reward_spec.py).
@@ -21,13 +22,23 @@ from engines.backends import Backend
 def preflight(preset: str, seed: int = 0, *, backend: Backend, hf_checkpoint: str = "", train_data: str = "",
               eval_data: str = "", prompts_per_step: int = 1, n_eval: int = 1, max_new_tokens: int = 8,
               reward: str = "auto", eval_reward: str = "auto", input_key: str = "prompt",
-              label_key: str = "label") -> dict:
-    """`backend`: the run's engines (flows/params.py PipelineParams.backend); their own checks come last."""
+              label_key: str = "label", store_url: str = "", store_prefix: str = "", endpoint_url: str | None = None,
+              secret_block: str | None = None) -> dict:
+    """`backend`: the run's engines (flows/params.py PipelineParams.backend); their own checks come last.
+    `store_url` .. `secret_block`: where the run's artifacts go (tasks/upload.py upload_artifacts' arguments)."""
     from engines.train.miles.launch import preflight_plan
     from rl.math_task import make_splits
 
     log = get_run_logger()
     plan = preflight_plan(preset, dict(backend.overrides))  # InfeasibleLayout naming each rule and fix
+    if store_url:  # ArtifactStoreError naming the store and the fix, before any engine starts (not at the upload)
+        from engines.artifact_store import check_store
+        from tasks.upload import resolve_credentials
+
+        warning = check_store(store_url, store_prefix, endpoint_url=endpoint_url, **resolve_credentials(secret_block))
+        if warning:
+            log.warning("artifact store: %s", warning)
+        log.info("artifact store %s: writable (probe object written and deleted)", store_url)
     if hf_checkpoint:  # raises CpuFitError naming the step, its estimate and this machine's memory
         from engines.layout.cpu_fit import check_cpu_fit
 

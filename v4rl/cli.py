@@ -28,6 +28,7 @@ error is one plain `Error:` line, not a boxed panel whose borders cut the messag
 
 from engines.presets.runs import SHORT_RUNS, run_numbers  # noqa: E402
 from rl.field_docs import field_default_and_doc  # noqa: E402
+from v4rl.help_format import plain_help  # noqa: E402
 
 TINY = run_numbers("tiny-cpu")
 """`v4rl train`'s defaults: the tiny-cpu preset's numbers (engines/presets/runs.py TINY_RUN), as the flow's form."""
@@ -302,6 +303,7 @@ for _name in COMMAND_MODULES:
             raise
         continue
     _module.register(app)
+plain_help(app)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 - Idempotent by sha256, manifest.json last, multipart above a threshold, bounded retries with backoff and
   jitter on 5xx / throttling / timeouts / dropped connections (s3.py).
 - Stored objects are only ever read as bytes or JSON: nothing from a store is unpickled.
+- check_store writes and deletes a probe object: the preflight check that the store takes the run's uploads.
 
 No Prefect in here; tasks/upload.py is the task wrapper.
 """
@@ -20,11 +21,11 @@ No Prefect in here; tasks/upload.py is the task wrapper.
 from engines.artifact_store.common import (ArtifactStoreError, S3Credentials, StoreOptions, TransientStoreError,
                                            redact)
 from engines.artifact_store.paths import StoreLocation, check_key, check_prefix, parse_store_url, walk_run_dir
-from engines.artifact_store.store import (MANIFEST, Store, UploadReport, build_manifest, download, list_objects,
-                                          read_json, upload_run)
+from engines.artifact_store.store import (MANIFEST, Store, UploadReport, build_manifest, check_store, download,
+                                          list_objects, read_json, upload_run)
 
 __all__ = [
     "ArtifactStoreError", "MANIFEST", "S3Credentials", "Store", "StoreLocation", "StoreOptions",
-    "TransientStoreError", "UploadReport", "build_manifest", "check_key", "check_prefix", "download",
+    "TransientStoreError", "UploadReport", "build_manifest", "check_key", "check_prefix", "check_store", "download",
     "list_objects", "parse_store_url", "read_json", "redact", "upload_run", "walk_run_dir",
 ]

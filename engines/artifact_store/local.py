@@ -9,7 +9,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from engines.artifact_store.common import TransientStoreError
+from engines.artifact_store.common import ArtifactStoreError, TransientStoreError
 from engines.artifact_store.paths import check_key
 
 CHUNK = 8 * 1024 * 1024
@@ -89,6 +89,25 @@ class FileBackend:
                 raise TransientStoreError(f"{path} changed while it was copied to {self.url(key)}; "
                                           "upload again once the writer has finished")
         self._write(key, copy)
+
+    def probe(self, key: str, data: bytes) -> str | None:
+        """Write `data` at `key` and remove it with the directories the write created: ArtifactStoreError naming
+        the path and the fix when the directory cannot be created or written."""
+        dest = self._path(key)
+        missing = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
+        try:
+            self._write(key, lambda f: f.write(data))
+            dest.unlink()
+        except OSError as exc:
+            raise ArtifactStoreError(f"cannot write in {dest.parent}: {exc.strerror or exc}; give store_url a "
+                                     "directory this user can create and write, or leave it empty for "
+                                     "<runs_root>/store") from None
+        for directory in missing:  # deepest first: the store's tree is as it was
+            try:
+                directory.rmdir()
+            except OSError:  # something else wrote there meanwhile: it stays
+                break
+        return None
 
     def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes:
         path = self._path(key)

@@ -231,6 +231,35 @@ class S3Backend:
             return
         raise self._fail("upload to", key, exc) from None
 
+    def probe(self, key: str, data: bytes) -> str | None:
+        """Write `data` at `key` and delete it again (preflight's check that uploads will land). ArtifactStoreError
+        naming the object and the fix when the write fails; a warning (None when clean) when only the delete
+        does, since uploads never delete."""
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self._full(key), Body=data)
+        except (bex.ClientError, bex.BotoCoreError) as exc:
+            raise ArtifactStoreError(f"{describe(exc)}; {self._probe_fix(exc)}") from None
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
+        except (bex.ClientError, bex.BotoCoreError) as exc:
+            return f"could not delete the probe object {self.url(key)} ({describe(exc)}); remove it by hand"
+        return None
+
+    def _probe_fix(self, exc: BaseException) -> str:
+        error = getattr(exc, "response", {}) or {}
+        code = error.get("Error", {}).get("Code")
+        if code == "NoSuchBucket":
+            return f"create the bucket {self.bucket!r} or point store_url at an existing one"
+        if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
+            return "set AWS_REGION to the bucket's region"
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                    "AllAccessDisabled") or error.get("ResponseMetadata", {}).get("HTTPStatusCode") == 403:
+            return (f"give credentials allowed to write to s3://{self.bucket}/{self.base} (AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY on the worker, or s3_secret_block)")
+        if isinstance(exc, (*NETWORK_ERRORS, bex.ConnectTimeoutError, bex.ReadTimeoutError)):
+            return "check s3_endpoint_url (or AWS_ENDPOINT_URL) and that the endpoint answers from this host"
+        return "check store_url, s3_endpoint_url and the credentials"
+
     def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes:
         def read() -> bytes:
             obj = self._client.get_object(Bucket=self.bucket, Key=self._full(key))

@@ -5,7 +5,8 @@ upload_run is idempotent: each file's sha256 is compared with the stored object'
 x-amz-meta-sha256, or the file's own hash on disk) and only changed or missing files are written. The
 manifest (sha256 + size per relative path) goes last, so a store that holds a manifest holds every file it
 names. Files deleted while the upload runs (a checkpoint rotated away) are left out of the manifest. Nothing is
-ever deleted from the store: objects of files that left the run directory stay, but not in the manifest.
+ever deleted from the store: objects of files that left the run directory stay, but not in the manifest (the one
+object deleted is preflight's probe, check_writable, written and removed before the run starts).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engines.artifact_store.common import S3Credentials, StoreOptions, TransientStoreError
+from engines.artifact_store.common import ArtifactStoreError, S3Credentials, StoreOptions, TransientStoreError
 from engines.artifact_store.local import FileBackend, sha256_file
 from engines.artifact_store.paths import (StoreLocation, check_key, check_prefix, join_key, parse_store_url,
                                           walk_run_dir)
@@ -27,6 +29,8 @@ from engines.artifact_store.paths import (StoreLocation, check_key, check_prefix
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+PROBE_NAME = ".v4rl-probe-"
+"""Preflight's probe object (Store.check_writable): written and deleted under the run's prefix."""
 MANIFEST_FORMAT = "v4rl-manifest/1"
 JSON_MAX_BYTES = 64 * 1024 * 1024
 
@@ -142,6 +146,20 @@ class Store:
         self._backend.get_file(check_key(key), dest)
         return dest
 
+    # -- preflight ---------------------------------------------------------------------------------------
+
+    def check_writable(self, prefix: str = "") -> str | None:
+        """Write and delete a small probe object under `prefix` (where the run's upload goes), so a store that
+        cannot take the run's artifacts stops the run before it trains, not at its first upload. Raises
+        ArtifactStoreError in one line naming the store and the fix (no such bucket, denied, unreachable, a
+        directory that cannot be created); returns a warning when only the delete failed, else None."""
+        key = join_key(check_prefix(prefix), f"{PROBE_NAME}{uuid.uuid4().hex[:12]}") if prefix else \
+            f"{PROBE_NAME}{uuid.uuid4().hex[:12]}"
+        try:
+            return self._backend.probe(key, b"v4rl preflight: this object is deleted at once\n")
+        except ArtifactStoreError as exc:
+            raise ArtifactStoreError(f"artifact store {self.url} is not writable: {exc}") from None
+
     # -- upload ------------------------------------------------------------------------------------------
 
     def upload_run(self, run_dir: str | os.PathLike, *, prefix: str, exclude: tuple[str, ...] = ()) -> UploadReport:
@@ -228,6 +246,17 @@ def upload_run(run_dir: str | os.PathLike, store_url: str | os.PathLike, *, pref
     """
     with Store(store_url, credentials=credentials, options=options, endpoint_url=endpoint_url) as store:
         return store.upload_run(run_dir, prefix=prefix, exclude=exclude)
+
+
+def check_store(store_url: str | os.PathLike, prefix: str = "", *, credentials: S3Credentials | None = None,
+                options: StoreOptions | None = None, endpoint_url: str | None = None) -> str | None:
+    """Store.check_writable on a store opened here; missing credentials fail the same way, in one line."""
+    try:
+        store = Store(store_url, credentials=credentials, options=options, endpoint_url=endpoint_url)
+    except ArtifactStoreError as exc:
+        raise ArtifactStoreError(f"artifact store {parse_store_url(store_url).url} is not writable: {exc}") from None
+    with store:
+        return store.check_writable(prefix)
 
 
 def list_objects(store_url: str | os.PathLike, prefix: str = "", *, credentials: S3Credentials | None = None,
