@@ -1,7 +1,7 @@
 """`--help` of every `v4rl` command read at 120 columns (issue 40): each option's names (and its --no- form) whole on
 one line, its help text with most of the width (typer's rich tables gave names, --no- forms and types a column each
-and left the help 30-odd columns: `train --help` ran to 163 lines), and nothing wider than the terminal. In process,
-a few seconds.
+and left the help 30-odd columns: `train --help` ran to 163 lines), no word broken at a hyphen, and nothing wider
+than the terminal. One child process renders them all (COLUMNS=120 as a shell sets it); a few seconds.
 
     .venv/bin/python -m pytest tests/test_cli_help.py -q
 """
@@ -56,6 +56,8 @@ def test_help_at_120_columns_keeps_every_option_whole_on_one_line_and_readable(n
     text = _helps()[name]
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 120, text
+    broken = [line for line in lines if re.search(r"\w-$", line)]  # `--opsm-` / `delta`: neither half pastes
+    assert not broken, broken
     options = [p for p in COMMAND.commands[name].params if isinstance(p, TyperOption)]
     assert options, text
     for option in options:
