@@ -71,7 +71,8 @@ def test_help_at_120_columns_keeps_every_option_whole_on_one_line_and_readable(n
             assert starts and min(starts) <= HELP_STARTS_BY, f"{option.opts[0]}'s help starts at {starts}:\n{text}"
 
 
-def test_the_command_list_names_every_command():
+def test_the_command_list_names_every_command_with_its_whole_summary():
     text = _helps()[""]
     for name in COMMAND.commands:
         assert re.search(rf"^\s{{2,}}{re.escape(name)}\s", text, re.M), text
+    assert "..." not in text, text  # click cut a summary at the width

@@ -45,6 +45,10 @@ class _Context(typer.Context):
 class _Command(typer.core.TyperCommand):
     context_class = _Context
 
+    def get_short_help_str(self, limit: int = 45) -> str:
+        """The whole first sentence in `v4rl --help`'s list (click cuts it at the width with "...")."""
+        return super().get_short_help_str(limit=1000)
+
 
 def plain_help(app: typer.Typer) -> None:
     """Every command of `app` registered so far (without a class of its own) lays out its help this way."""
