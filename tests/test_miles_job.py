@@ -119,8 +119,10 @@ def test_named_settings_switch_their_flags():
                                                 "fault_tolerance": True})[0], _job()).flag_values()
     assert fp8["--fp8-recipe"] == ["blockwise"] and "--no-gradient-accumulation-fusion" in fp8
     assert {"--use-rollout-routing-replay", "--use-fault-tolerance"} <= set(fp8)
+    assert fp8["--pause-generation-mode"] == ["in_place"]  # replay never with Miles' retract (radixark/miles#3277)
     bf16 = build_command(SEED_RUN, _job()).flag_values()
-    assert "--bf16" in bf16 and not {"--fp8-format", "--use-rollout-routing-replay", "--use-fault-tolerance"} & set(bf16)
+    assert "--bf16" in bf16 and not {"--fp8-format", "--use-rollout-routing-replay", "--use-fault-tolerance",
+                                     "--pause-generation-mode"} & set(bf16)
 
 
 def test_eval_datasets_and_data_paths():

@@ -3,7 +3,8 @@
 probe also imports `--custom-tis-function-path` with Miles' own `load_function`, as Miles' loss does.
 
 One parse per generation carries icepop + OPSM + routing replay (every correction flag at once); token TIS with
-non-default bounds is the `slow` pair. The first generation's icepop job and the icepop job naming a function
+non-default bounds is the `slow` pair. With routing replay Miles must resolve `--pause-generation-mode
+in_place` (radixark/miles#3277), its default `retract` without. The first generation's icepop job and the icepop job naming a function
 this Miles lacks share one probe process (a module fixture: preflight.check_requests, each argv parsed afresh and
 answered on its own). About 40 s per probe process on 2 cores.
 
@@ -70,6 +71,9 @@ def test_miles_parses_the_correction_flags(request, tmp_path, sglang_paths, gene
     r, s = check.resolved, SETTINGS[name]
     assert r["use_tis"] is True and r["use_opsm"] is s.get("opsm", False)
     assert r["use_rollout_routing_replay"] is s.get("routing_replay", False)
+    # both generations define --pause-generation-mode (default retract); with replay the job pauses in place, as
+    # retract re-prefills and pairs old logprobs with new routes (radixark/miles#3277)
+    assert r["pause_generation_mode"] == ("in_place" if s.get("routing_replay") else "retract")
     if s["mode"] == "icepop":
         assert (r["custom_tis_function_path"], r["custom_tis_function"]) == (ICEPOP_FUNCTION, "icepop_function")
         assert (r["tis_clip_low"], r["tis_clip"], r["opsm_delta"]) == (0.5, 2.0, 1e-3)

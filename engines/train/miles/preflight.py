@@ -138,9 +138,10 @@ def expected_values(preset: RunPreset, job: MilesJob, cluster: ClusterSpec,
 
 
 def correction_values(preset: RunPreset) -> dict[str, Any]:
-    """What Miles must resolve the rollout correction's flags to (train_args.correction_args), and the custom TIS
-    function it must be able to import (the probe imports it with Miles' own load_function)."""
-    from engines.train.miles.train_args import ICEPOP_FUNCTION, preset_correction
+    """What Miles must resolve the rollout correction's flags to (train_args.correction_args, routing_replay_args:
+    replay pauses in place), and the custom TIS function it must be able to import (the probe imports it with
+    Miles' own load_function)."""
+    from engines.train.miles.train_args import ICEPOP_FUNCTION, R3_PAUSE_MODE, preset_correction
 
     c = preset_correction(preset)
     weighted = c.mode in ("tis", "icepop")
@@ -148,7 +149,8 @@ def correction_values(preset: RunPreset) -> dict[str, Any]:
     return {"use_tis": weighted, "tis_clip": high, "tis_clip_low": low,
             "custom_tis_function_path": ICEPOP_FUNCTION if c.mode == "icepop" else None,
             "use_opsm": c.opsm, "opsm_delta": c.opsm_delta if c.opsm else 1e-4,
-            "use_rollout_routing_replay": c.routing_replay}
+            "use_rollout_routing_replay": c.routing_replay,
+            **({"pause_generation_mode": R3_PAUSE_MODE} if c.routing_replay else {})}
 
 
 def compare_resolved(expected: dict[str, Any], resolved: dict[str, Any]) -> list[str]:

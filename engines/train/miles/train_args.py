@@ -262,6 +262,20 @@ def sglang_args(preset: "RunPreset") -> list[str]:
                    "--sglang-context-length", str(r.context_length)]
 
 
+R3_PAUSE_MODE = "in_place"
+"""--pause-generation-mode with routing replay. Miles' default `retract` (both pinned generations define the flag:
+abort | retract | in_place) re-prefills a request retracted for a weight update, and SGLang then returns the new
+weights' routes beside the logprobs sampled under the old ones (radixark/miles#3277, open): replay would train
+on routes that did not produce those tokens. `in_place` freezes the request with its KV and routes."""
+
+
+def routing_replay_args(preset: "RunPreset") -> list[str]:
+    """R3 (--use-rollout-routing-replay), always with R3_PAUSE_MODE; nothing when replay is off."""
+    if not preset_correction(preset).routing_replay:
+        return []
+    return ["--use-rollout-routing-replay", "--pause-generation-mode", R3_PAUSE_MODE]
+
+
 def misc_args(preset: "RunPreset", cluster: "ClusterSpec", profile: "HardwareProfile") -> list[str]:
     """Placement, weight updates, DeepSeek-V4 training switches, precision, the named Miles settings."""
     m, r = preset.miles, preset.rollout
@@ -276,7 +290,7 @@ def misc_args(preset: "RunPreset", cluster: "ClusterSpec", profile: "HardwarePro
             "--rollout-health-check-interval", "300", "--rollout-health-check-timeout", "300"]
     args += ["--colocate"] if cluster.colocated else ["--rollout-num-gpus", str(cluster.rollout_gpus)]
     args += ["--use-fault-tolerance"] if m.fault_tolerance else []
-    args += ["--use-rollout-routing-replay"] if preset_correction(preset).routing_replay else []
+    args += routing_replay_args(preset)
     args += ["--deterministic-mode"] if m.deterministic else []
     if not m.fp8_training:
         return args + ["--bf16"]

@@ -53,6 +53,7 @@ RESOLVED = (
     "dsv4_impl", "experimental_attention_variant", "dsa_kernel_backend", "pipeline_model_parallel_layout",
     # the rollout correction (engines/train/miles/train_args.py correction_args)
     "tis_clip", "tis_clip_low", "custom_tis_function_path", "use_opsm", "opsm_delta",
+    "pause_generation_mode",  # in_place with routing replay (train_args.R3_PAUSE_MODE, radixark/miles#3277)
 )
 
 
