@@ -1,6 +1,7 @@
 """The layout rules of docs/architecture.md, checked on the source: no loose modules at engines/'s root, library
 packages never import Prefect, and packages import each other without cycles (a package = a directory; its
-modules' imports at any depth, a child importing its own parent package not counted).
+modules' imports at any depth, a child importing its own parent package not counted), nor do engines/'s
+packages with their subpackages folded in.
 
     .venv/bin/python -m pytest tests/test_architecture.py -q
 """
@@ -84,6 +85,21 @@ def test_packages_import_each_other_without_cycles():
     edges = _package_edges()
     cycle = _cycle(edges)
     assert cycle is None, "package import cycle " + " -> ".join(cycle) + ": " + "; ".join(
+        f"{a} -> {b} in {sorted(edges[a][b])[:3]}" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_engines_packages_import_each_other_without_cycles():
+    """engines/<package> as one node each, subpackages folded in (engines.train.miles is engines.train): a cycle
+    there (issue 40: engines.align scored with engines.train's trainer while engines.train.miles ran align's gate)
+    hides below the finer graph, where a subpackage counts as its own node."""
+    edges: dict[str, dict[str, set[str]]] = {}
+    for src, targets in _package_edges().items():
+        for dst, files in targets.items():
+            a, b = (".".join(n.split(".")[:2]) for n in (src, dst))
+            if a != b and a.startswith("engines.") and b.startswith("engines."):
+                edges.setdefault(a, {}).setdefault(b, set()).update(files)
+    cycle = _cycle(edges)
+    assert cycle is None, "engines package import cycle " + " -> ".join(cycle) + ": " + "; ".join(
         f"{a} -> {b} in {sorted(edges[a][b])[:3]}" for a, b in zip(cycle, cycle[1:]))
 
 

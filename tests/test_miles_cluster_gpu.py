@@ -71,7 +71,7 @@ def test_one_job_resumes_after_a_killed_job_on_the_cluster(cluster):
 
 def test_alignment_gate_with_sglang_and_megatron(cluster):
     from engines.align import AlignConfig
-    from engines.train.miles.pipeline import align_gate
+    from engines.backends.miles import align_gate
 
     report = align_gate(cluster, AlignConfig(n_prompts=16, max_new_tokens=256))
     assert report["n_tokens"] > 0 and report["first_divergence"] is None

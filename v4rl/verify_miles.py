@@ -7,7 +7,7 @@ conformance"):
              sentinel and no `will skip` line may be printed;
   (c) forward (with --against HF_DIR, the HF checkpoint DIR was converted from) one forward of `tokens` random
              tokens through Miles' model (BF16) and v4rl's own model (fp32 and bf16), compared layer by layer and
-             in logprobs within bounds derived from v4rl's own bf16 noise (engines/train/miles/model_compare.py).
+             in logprobs within bounds derived from v4rl's own bf16 noise (engines/align/model_compare.py).
 (b) and (c) build the model on the CPU, so they run only where it fits in memory (`fits_in_memory`); (a) then
 runs on the meta device alone.
 
@@ -118,7 +118,7 @@ def _forward_report(path: str, against: Path, cfg, ids) -> dict[str, Any]:
     import torch
 
     from engines.align.score import load_ours
-    from engines.train.miles.model_compare import compare_logprobs, compare_traces, ours_forward
+    from engines.align.model_compare import compare_logprobs, compare_traces, ours_forward
 
     miles = torch.load(path)
     t32, l32 = ours_forward(load_ours(against, torch.float32), ids)

@@ -18,7 +18,7 @@ on the cluster path the gate is:
      layer-by-layer localisation needs both models on one host (the CPU gate on a smaller checkpoint does it).
 
 `gate_batch` runs 1-2 given an SGLang client, `score_batch` 3-4 given a function that runs a Miles job (on the
-cluster: `gpu`; engines/train/miles/pipeline.py `align_gate` wires both, with the SGLang server stopped before
+cluster: `gpu`; engines/backends/miles.py `align_gate` wires both, with the SGLang server stopped before
 Megatron starts). On CPU the tests drive every step but Megatron's forward against Miles' own code
 (tests/conformance/test_miles_log_and_gate.py).
 """

@@ -140,7 +140,7 @@ def _entry(key: str, s: _Stats, rel_tol: float, router_tol: float) -> dict:
 def compare_sub_block(key: str, got: torch.Tensor, ref: torch.Tensor) -> dict:
     """One sub-block's comparison of `got` against `ref` with no tolerance applied: the same per-token errors
     and metrics as a `localise` row (mean_rel / max_rel / ... for tensors, mismatch_frac for the router). For
-    callers that set their own bounds (engines/train/miles/model_compare.py bounds by measured BF16 noise)."""
+    callers that set their own bounds (engines/align/model_compare.py bounds by measured BF16 noise)."""
     stats = _Stats()
     _compare(stats, got, ref, key, float("inf"))
     return _entry(key, stats, float("inf"), float("inf"))

@@ -5,7 +5,8 @@ adapter: each step is one call into engines/train/miles/.
     check      the job exactly as it will be submitted, through Miles' own parse_args on CPU (miles/preflight.py),
                the model keys Miles builds against the checkpoint (miles/model_check.py) and, given `sglang_dir`, the
                SGLang the cluster runs taking one weight update as a fresh load (engines/checks/sglang_preflight.py)
-    align      miles/pipeline.py `align_gate`: SGLang generates, Megatron rescores through Miles' train-only debug run
+    align      `align_gate` (here: engines/align sits above engines/train, so the gate's wiring to a ClusterRun
+               lives in the adapter): SGLang generates, Megatron rescores through Miles' train-only debug run
     train      miles/pipeline.py `train_run`: ONE Miles job trains the run, evaluating and saving itself
     evaluate   miles/pipeline.py `evaluate_step`: Miles' record of the step, else its eval-only job
 
@@ -18,12 +19,14 @@ MilesJob paths, preset overrides); it crosses the Prefect task boundary as this 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.train.miles.pipeline import ClusterRun, align_gate, evaluate_step, train_run
+from engines.train.miles.jobs import align_argv, flag_values
+from engines.train.miles.pipeline import ClusterRun, evaluate_step, train_run
 from engines.train.stopping import StopRequest
 
 
@@ -78,6 +81,69 @@ class MilesBackend:
 
     def evaluate(self, step: int, model_dir: str, *, log: Callable[[str], None]) -> dict[str, Any]:
         return evaluate_step(self.run, step, on_line=log)
+
+
+def align_gate(run: ClusterRun, config: Any, *, on_line: Callable[[str], None] | None = None) -> dict:
+    """The cluster alignment gate (engines/align/cluster.py) on this run's job: `config.n_prompts` held-out
+    prompts x the job's --n-samples-per-prompt on SGLang, then Megatron through Miles' train-only debug run."""
+    from transformers import AutoTokenizer
+
+    from engines.align.cluster import gate_batch, score_batch
+    from engines.align.inputs import held_out_prompts
+    from engines.rollout.sglang import SGLangClient
+
+    t0 = time.perf_counter()
+    prepared = run.prepare()
+    n = int((flag_values(prepared.command.argv, "--n-samples-per-prompt") or ["1"])[0])
+    tokenizer = AutoTokenizer.from_pretrained(run.job.hf_checkpoint)  # tokenizer files only, no weights
+    prompts = held_out_prompts(tokenizer, config.n_prompts, config.seed, tokenizer.bos_token_id)
+    shared = Path(f"{run.job.save_dir}-align-gate")  # beside --save: on storage every node of the job reads
+    with _sglang_server(run) as url, SGLangClient(url, timeout=3600) as client:
+        samples = gate_batch(client, prompts, config, shared_dir=shared, n_samples_per_prompt=n,
+                             decode=tokenizer.decode)
+    generated = round(time.perf_counter() - t0, 3)
+
+    def run_align_job(rollout_data: str, train_dump: str) -> None:
+        run.submit(prepared, align_argv(prepared.command.argv, rollout_data=rollout_data, train_dump=train_dump,
+                                        n_prompts=config.n_prompts), on_line=on_line)
+
+    return score_batch(samples, config, shared_dir=shared, run_align_job=run_align_job, seconds={"generate": generated},
+                       inputs={"model": run.job.hf_checkpoint, "torch_dist": run.job.ref_load, "sglang": url})
+
+
+class _sglang_server:
+    """The given SGLang URL, or one engine launched on the Ray cluster this host belongs to (ray.init("auto"),
+    the preset's engine size) for the gate's generation; stopped when the block ends, before Megatron runs."""
+
+    def __init__(self, run: ClusterRun) -> None:
+        self.run, self.fleet, self.connected = run, None, False
+
+    def __enter__(self) -> str:
+        if self.run.align_sglang_url:
+            return self.run.align_sglang_url
+        import ray
+
+        from engines.profiles import get_profile
+        from engines.rollout.launcher import SGLangServerSpec, launch_sglang_servers
+        from engines.presets.runs import resolve
+
+        preset, _ = resolve(self.run.preset, self.run.overrides)
+        if not ray.is_initialized():
+            ray.init(address="auto")
+            self.connected = True
+        spec = SGLangServerSpec.from_preset(self.run.job.hf_checkpoint, preset, get_profile(preset.profile))
+        self.fleet = launch_sglang_servers(spec, 1)
+        return self.fleet.urls[0]
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.fleet is not None:
+                self.fleet.stop()
+        finally:
+            if self.connected:
+                import ray
+
+                ray.shutdown()  # this host's connection only; the user's cluster keeps running
 
 
 def check_miles_job(backend: MilesBackend, *, log: Callable[[str], None]) -> dict[str, Any]:

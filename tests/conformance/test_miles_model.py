@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engines.train.miles.model_check import compare_keys
-from engines.train.miles.model_compare import compare_logprobs, compare_traces, ours_forward
+from engines.align.model_compare import compare_logprobs, compare_traces, ours_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

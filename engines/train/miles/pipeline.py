@@ -11,10 +11,9 @@ rl-pipeline's tasks exactly where the tiny-cpu path calls the embedded engines:
     evaluate_step(run, step)    the step's eval/step_XXXXXX.json: the one Miles logged, else Miles' eval-only job
                                 on the step's checkpoint (step 0: --ref-load, our converted checkpoint); the
                                 pipeline never needs it (Miles evaluates in the training job), a user may
-    align_gate(run, config)     the cluster alignment gate (engines/align/cluster.py): SGLang generates, Megatron
-                                rescores through Miles' train-only debug run
 
-backend.py `MilesBackend` calls these for the rl-pipeline's tasks; flows/params.py `PipelineParams.backend` builds
+engines/backends/miles.py `MilesBackend` calls these for the rl-pipeline's tasks (and runs the cluster alignment
+gate on a ClusterRun: engines/align sits above engines/train, so the gate's wiring lives there, not here); flows/params.py `PipelineParams.backend` builds
 its ClusterRun from the flow's parameters (the deployment's Site, the MilesJob paths, the preset overrides). Everything that submits needs the cluster
 (`gpu`-marked tests); the argv, the readback and the gate's files are tested on CPU against Miles' own code.
 """
@@ -31,7 +30,7 @@ from typing import Any
 from engines.profiles.site import Site
 from engines.train.miles.checkpoints import list_checkpoints
 from engines.train.miles.command import MilesJob
-from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, run_argv
+from engines.train.miles.jobs import eval_only_argv, flag_values, run_argv
 from engines.train.miles.results import MilesRecorder, MilesResultsError
 from engines.train.miles.runner import (MilesOutcome, MilesRunError, PreparedJob, prepare_job, run_miles,
                                         stop_ray_job)
@@ -177,68 +176,3 @@ def evaluate_step(run: ClusterRun, step: int, *, on_line: Callable[[str], None] 
     if step not in recorder.evaluated:
         raise MilesResultsError(f"Miles' eval-only job logged no `eval 0:` line for step {step}; see {run.job.log_path}")
     return json.loads(path.read_text())
-
-
-def align_gate(run: ClusterRun, config: Any, *, on_line: Callable[[str], None] | None = None) -> dict:
-    """The cluster alignment gate (engines/align/cluster.py) on this run's job: `config.n_prompts` held-out
-    prompts x the job's --n-samples-per-prompt on SGLang, then Megatron through Miles' train-only debug run."""
-    import time
-
-    from transformers import AutoTokenizer
-
-    from engines.align.cluster import gate_batch, score_batch
-    from engines.align.inputs import held_out_prompts
-    from engines.rollout.sglang import SGLangClient
-
-    t0 = time.perf_counter()
-    prepared = run.prepare()
-    n = int((flag_values(prepared.command.argv, "--n-samples-per-prompt") or ["1"])[0])
-    tokenizer = AutoTokenizer.from_pretrained(run.job.hf_checkpoint)  # tokenizer files only, no weights
-    prompts = held_out_prompts(tokenizer, config.n_prompts, config.seed, tokenizer.bos_token_id)
-    shared = Path(f"{run.job.save_dir}-align-gate")  # beside --save: on storage every node of the job reads
-    with _sglang_server(run) as url, SGLangClient(url, timeout=3600) as client:
-        samples = gate_batch(client, prompts, config, shared_dir=shared, n_samples_per_prompt=n,
-                             decode=tokenizer.decode)
-    generated = round(time.perf_counter() - t0, 3)
-
-    def run_align_job(rollout_data: str, train_dump: str) -> None:
-        run.submit(prepared, align_argv(prepared.command.argv, rollout_data=rollout_data, train_dump=train_dump,
-                                        n_prompts=config.n_prompts), on_line=on_line)
-
-    return score_batch(samples, config, shared_dir=shared, run_align_job=run_align_job, seconds={"generate": generated},
-                       inputs={"model": run.job.hf_checkpoint, "torch_dist": run.job.ref_load, "sglang": url})
-
-
-class _sglang_server:
-    """The given SGLang URL, or one engine launched on the Ray cluster this host belongs to (ray.init("auto"),
-    the preset's engine size) for the gate's generation; stopped when the block ends, before Megatron runs."""
-
-    def __init__(self, run: ClusterRun) -> None:
-        self.run, self.fleet, self.connected = run, None, False
-
-    def __enter__(self) -> str:
-        if self.run.align_sglang_url:
-            return self.run.align_sglang_url
-        import ray
-
-        from engines.profiles import get_profile
-        from engines.rollout.launcher import SGLangServerSpec, launch_sglang_servers
-        from engines.presets.runs import resolve
-
-        preset, _ = resolve(self.run.preset, self.run.overrides)
-        if not ray.is_initialized():
-            ray.init(address="auto")
-            self.connected = True
-        spec = SGLangServerSpec.from_preset(self.run.job.hf_checkpoint, preset, get_profile(preset.profile))
-        self.fleet = launch_sglang_servers(spec, 1)
-        return self.fleet.urls[0]
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self.fleet is not None:
-                self.fleet.stop()
-        finally:
-            if self.connected:
-                import ray
-
-                ray.shutdown()  # this host's connection only; the user's cluster keeps running
