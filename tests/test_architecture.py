@@ -1,7 +1,7 @@
 """The layout rules of docs/architecture.md, checked on the source: no loose modules at engines/'s root, library
 packages never import Prefect, and packages import each other without cycles (a package = a directory; its
 modules' imports at any depth, a child importing its own parent package not counted), nor do engines/'s
-packages with their subpackages folded in.
+packages with their subpackages folded in; every Ray actor method is called by library code (no test-only code).
 
     .venv/bin/python -m pytest tests/test_architecture.py -q
 """
@@ -101,6 +101,18 @@ def test_engines_packages_import_each_other_without_cycles():
     cycle = _cycle(edges)
     assert cycle is None, "engines package import cycle " + " -> ".join(cycle) + ": " + "; ".join(
         f"{a} -> {b} in {sorted(edges[a][b])[:3]}" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_every_ray_actor_method_is_called_by_the_library():
+    """engines/train/actors.py's workers are reached only through Ray handles (`worker.name.remote()`); a method no
+    library module calls is test-only code in the library (issue 40: `parameter_fingerprint`)."""
+    actors = REPO / "engines" / "train" / "actors.py"
+    methods = {f"{c.name}.{f.name}": f.name for c in ast.parse(actors.read_text()).body if isinstance(c, ast.ClassDef)
+               for f in c.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+    called = {node.attr for top in TOPS for path in (REPO / top).rglob("*.py") if path != actors
+              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)}
+    unused = sorted(q for q, name in methods.items() if name not in called)
+    assert not unused, f"actor methods no library code calls (move what tests need into tests/): {unused}"
 
 
 def test_the_grpo_loop_knows_no_engine_plumbing():

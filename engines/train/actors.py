@@ -81,10 +81,6 @@ class TrainerWorker:
                                             trainer_state=self.trainer.state(), rng=torch.get_rng_state(),
                                             extra=extra))
 
-    def parameter_fingerprint(self) -> float:
-        """A cheap scalar that changes whenever any weight changes (tests)."""
-        return float(sum(p.detach().double().abs().sum() for p in self.trainer.model.parameters()))
-
 
 def _to_transformers(native: dict, cfg) -> dict:
     from checkpoints.names import native_to_transformers
