@@ -153,14 +153,14 @@ def test_the_readme_deploy_steps_run_as_written(tmp_path):
 
 
 def test_the_deploy_step_says_it_turns_the_nightly_schedule_on():
-    """`deploy --all` makes the nightly schedule live (Prefect runs a prefect.yaml schedule once deployed): the
+    """Deploying all makes the nightly schedule live (Prefect runs a prefect.yaml schedule once deployed): the
     deploy line of the block says so, and the page says how to pause it, with the schedule's real values."""
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
     (schedule,) = nightly["schedules"]
     assert (schedule["cron"], schedule["timezone"], schedule["active"]) == ("30 2 * * *", "UTC", True)
-    deploy = next(line for line in readme_deploy_lines() if " deploy " in line)
-    assert "--all" in deploy and "nightly schedule (02:30 UTC" in deploy, deploy
+    deploy = next(line for line in readme_deploy_lines() if "deployments/deploy.py" in line)
+    assert "deploys all three" in deploy and "nightly schedule (02:30 UTC" in deploy, deploy
     page = " ".join((REPO / "docs" / "deployments.md").read_text().split())
     assert f'`cron: "{schedule["cron"]}"`, UTC, `active: true`' in page
     assert "prefect deployment schedule pause 'nightly-validation/nightly' ID" in page
