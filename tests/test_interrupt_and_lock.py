@@ -182,7 +182,7 @@ def test_ctrl_c_during_the_demo_ends_it_in_seconds_with_the_flow_run_crashed(tmp
     try:
         # The training is under way once step 0's evaluation is published (its upload task finished; the flow is
         # back to waiting on the training, which is in step 1): Ctrl-C then, not after step 1 is logged, which is
-        # 256 more rollouts and a GRPO step later (~25 s of both cores) and ends the same way.
+        # 1024 more rollouts and a GRPO step later (~9 s of both cores) and ends the same way.
         demo.wait_for(re.compile(r"Task run 'upload-artifacts-\w+' - Finished in state Completed"))
         server_pid = int(re.search(r"pid (\d+)\)", demo.output())[1])
         took = demo.ctrl_c(within=90)

@@ -95,9 +95,11 @@ def _run(workdir: Path, *, seed: int, fresh: bool, steps: int, ui: bool, console
             _say_interrupted(console, params.run_dir, home)
             return INTERRUPTED
         summary = result["summary"]
-        console.print(f"\n[bold green]done[/]: report {params.run_dir / 'report.md'}, artifacts {params.store}")
+        # soft_wrap: a path or a verdict is one line however narrow the terminal (rich would cut it at the width)
+        console.print(f"\n[bold green]done[/]: report {params.run_dir / 'report.md'}, artifacts {params.store}",
+                      soft_wrap=True)
         for line in pass_at_k_lines(params.run_dir):
-            console.print(f"  {line}")
+            console.print(f"  {line}", soft_wrap=True)
         if "logprob_abs_diff_mean" in summary:
             console.print(f"  train/rollout |Δlogprob| mean {summary['logprob_abs_diff_mean']:.4f}")
         if server is not None and ui:

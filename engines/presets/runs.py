@@ -85,11 +85,14 @@ TINY_RUN = RunPreset(
     algorithm=AlgorithmSpec(lr=1e-4),
 )
 SHORT_RUNS: dict[str, dict[str, Any]] = {
-    "demo": dict(steps=10, prompts_per_step=32, n_eval=64),
+    "demo": dict(steps=8, n_eval=128),
     "nightly": dict(steps=4, eval_interval=4, prompts_per_step=32, n_eval=64),
 }
-"""The smaller tiny-cpu runs, as overrides of TINY_RUN in the form's names (RUN_NUMBERS): `v4rl demo` (a few
-minutes; its eval_interval follows --steps, halfway and at the end) and the nightly validation (flows/nightly.py)."""
+"""The smaller tiny-cpu runs, as overrides of TINY_RUN in the form's names (RUN_NUMBERS): `v4rl demo` (about two
+minutes; its eval_interval follows --steps, halfway and at the end) and the nightly validation (flows/nightly.py).
+The demo trains the preset's 128 prompts x 8 samples per step, so that it shows learning: 8 such steps raise
+held-out pass@1 0.295 -> 0.379 on 128 problems (± 0.022, beyond twice the noise); 10 steps of 32 prompts, the
+demo until 2026-12-06, moved it +0.010 on 64 problems (± 0.028) and lr 3e-4 on them made it worse (-0.090)."""
 RUN_PRESETS: dict[str, RunPreset] = {p.name: p for p in (SEED_RUN, MILES_1NODE_RUN, MILES_32GPU_RUN, TINY_RUN)}
 
 # override key -> (section, field); "pp" clears the preset's first/last stage sizes (give pp_first/pp_last too).
