@@ -64,6 +64,7 @@ from checkpoints.hf_stream import (
 from checkpoints.manifest import AtomicOutput, is_complete, manifest_key, source_manifest
 from checkpoints.names import MegatronNames, megatron_column, placements
 from checkpoints.megatron_io import import_megatron, megatron_load, megatron_tensor_metadata, single_rank_process_group
+from checkpoints.paths import tokenizer_dir_of
 from checkpoints.torch_dist import (
     IGNORED_KEY_PREFIXES,
     RELEASE_DIR,
@@ -206,6 +207,8 @@ class ConversionResult:
     seconds: float = 0.0
     workers: int = 0
     files: int = 0
+    tokenizer: Path | None = None
+    """Export: the directory whose tokenizer files the output carries (None: none was found)."""
 
     @property
     def bytes_per_second(self) -> float:
@@ -251,6 +254,7 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
                      extra={"source": str(src.resolve()), "key": key}, names=megatron_names)
         write_checkpointing_config(rel)
         mark_release(out.tmp)
+        _copy_tokenizer(src, out.tmp)  # beside the weights, so an export of this (or of a run from it) has one
         if verify != "none":
             _verify_structure(out.tmp, plan, specs)
         if verify == "full":
@@ -451,7 +455,10 @@ def _export_job(job: _ExportJob) -> int:
     reader = TorchDistReader(job.ckpt)
     like = dict(job.like)
     files = HFFiles(Path(job.like_dir)) if job.like_dir else None
-    writer = SafetensorsStreamWriter(Path(job.out), job.entries, fsync=job.fsync)
+    try:
+        writer = SafetensorsStreamWriter(Path(job.out), job.entries, fsync=job.fsync)
+    except OSError as exc:
+        raise _write_error(job.out, "the safetensors header", exc) from exc
     try:
         for native, kind, shape in job.natives:
             boxes = placements(native, shape, job.column, job.n_experts)
@@ -473,7 +480,10 @@ def _export_job(job: _ExportJob) -> int:
                 except OSError as exc:
                     raise _write_error(job.out, repr(name), exc) from exc
                 report_progress(x.numel() * x.element_size())
-        writer.close()
+        try:
+            writer.close()
+        except OSError as exc:
+            raise _write_error(job.out, "the last tensors", exc) from exc
     finally:
         if files:
             files.close()
@@ -500,6 +510,7 @@ def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportForm
     ckpt = resolve_iteration_dir(src)
     like_plan = plan_source(like) if like is not None else None
     raw, cfg = _torch_dist_config(ckpt, like_plan, like, flag="--like")
+    tokenizer = (tokenizer_dir_of(Path(like)) if like is not None else None) or tokenizer_dir_of(src)
     qc = raw.get("quantization_config") or {}
     expert_dtype = expert_dtype or raw.get("expert_dtype") or qc.get("expert_dtype") or "fp4"
     scale_fmt = scale_fmt or ("fp32" if qc and qc.get("scale_fmt") != "ue8m0" else "ue8m0")
@@ -540,10 +551,13 @@ def export_torch_dist_to_hf(src: str | Path, dst: str | Path, *, fmt: ExportForm
                                    str(like) if like else None, refs, fsync))
         sizes = run_jobs(_export_job, jobs, workers=workers, total=total, label=f"export {fmt}", progress=progress)
         _write_hf_side_files(out.tmp, raw, cfg, fmt, expert_dtype, scale_fmt, weight_map, total, like)
+        if tokenizer is not None:
+            _copy_tokenizer(tokenizer, out.tmp)
         seconds = time.perf_counter() - t0
         out.commit({"key": key, "kind": f"torch_dist->{fmt}", "source": str(src.resolve()),
                     "like": str(Path(like).resolve()) if like else None, "seconds": round(seconds, 3)})
-    return ConversionResult(dst, False, len(native_param_specs(cfg)), 0, sum(sizes), seconds, workers, len(jobs))
+    return ConversionResult(dst, False, len(native_param_specs(cfg)), 0, sum(sizes), seconds, workers, len(jobs),
+                            tokenizer)
 
 
 def _write_hf_side_files(out: Path, raw: dict[str, Any], cfg: ModelConfig, fmt: ExportFormat, expert_dtype: str,
@@ -560,6 +574,10 @@ def _write_hf_side_files(out: Path, raw: dict[str, Any], cfg: ModelConfig, fmt: 
     else:
         body = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
         (out / "generation_config.json").write_text(json.dumps(body, indent=2) + "\n")
-    for name in hf.TOKENIZER_FILES if like_dir else ():
-        if (like_dir / name).is_file():  # type: ignore[operator]
-            shutil.copy2(like_dir / name, out / name)  # type: ignore[operator]
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    """The tokenizer files of `src` (the rollout engine needs them for text prompts and stop strings)."""
+    for name in hf.TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)

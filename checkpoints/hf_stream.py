@@ -464,7 +464,10 @@ class SafetensorsStreamWriter:
     def abort(self) -> None:
         """Close without the completeness check (the caller discards the file)."""
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:  # the buffered rest cannot be written (a full disk): the write's own error is reported
+                pass
 
     def close(self) -> None:
         if self._next != len(self._expect):

@@ -131,11 +131,14 @@ class AtomicOutput:
                 what = "a conversion of a different source or with different options"
             raise OutputError(f"{self.dst} already exists and holds {what}; choose another destination or "
                               "pass --force to replace it")
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(self.dst)
-        self.tmp.mkdir()
-        (self.tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                       "started": time.time()}))
+        try:
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_partials(self.dst)
+            self.tmp.mkdir()
+            (self.tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                           "started": time.time()}))
+        except OSError as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
         return self
 
     def commit(self, record: dict[str, Any]) -> None:
@@ -160,9 +163,21 @@ class AtomicOutput:
         fsync_dir(self.dst.parent)
         self._committed = True
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
         if not self._committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and not isinstance(exc, OSError) and str(self.tmp) in str(exc):
+            # a write that failed names the hidden build directory, gone now: name the output the user gave
+            try:
+                renamed = type(exc)(str(exc).replace(str(self.tmp), str(self.dst)))
+            except Exception:  # noqa: BLE001 - a type that takes more than a message: keep it as it is
+                return
+            raise renamed from exc
+        if isinstance(exc, OSError):  # a full disk, a read-only place: the output named, with the fix
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise OutputError(f"writing {self.dst} failed: {exc.strerror or exc}{where}; check free space, quotas "
+                              f"(ulimit -f) and permissions of {self.dst.parent}, then run again (the partial "
+                              "output was removed)") from exc
 
 
 def remove_stale_partials(dst: Path) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 from v4rl import inputs
+from v4rl.errors import one_line_error
 
 
 def _fail(message: str) -> None:
@@ -72,7 +73,7 @@ def register(app: typer.Typer) -> None:
             r = convert_hf_to_torch_dist(src, dst, workers=workers or None, force=force, verify=verify,  # type: ignore[arg-type]
                                          progress=progress, megatron_names=names)
         except _errors() as exc:
-            _fail(str(exc))
+            _fail(one_line_error(exc))
         if r.skipped:
             typer.echo(f"{dst} is already a complete conversion of {src} ({names} names); nothing to do")
             return
@@ -102,11 +103,17 @@ def register(app: typer.Typer) -> None:
             r = export_torch_dist_to_hf(src, dst, fmt=format, like=like, expert_dtype=expert_dtype,  # type: ignore[arg-type]
                                         scale_fmt=scale_fmt, workers=workers or None, force=force, progress=progress)
         except _errors() as exc:
-            _fail(str(exc))
+            _fail(one_line_error(exc))
         if r.skipped:
             typer.echo(f"{dst} is already a complete {format} export of {src}; nothing to do")
             return
         typer.echo(f"wrote {dst}: {r.tensors} tensors, {_gib(r.bytes_out)} in {r.seconds:.1f} s ({r.files} shards)")
+        if r.tokenizer is not None:
+            typer.echo(f"tokenizer: from {r.tokenizer}")
+        else:  # the weights serve token ids; text prompts and stop strings need the tokenizer
+            typer.secho(f"warning: no tokenizer found beside {src}, in the checkpoint it was converted from or in "
+                        f"its run's base; {dst} serves token ids only: add the original HF checkpoint's as --like",
+                        fg=typer.colors.YELLOW, err=True)
 
     @app.command("verify-ckpt")
     def verify_ckpt(ckpt: Path = typer.Argument(..., help="Megatron torch_dist checkpoint (root or iteration dir)."),
@@ -128,7 +135,7 @@ def register(app: typer.Typer) -> None:
         try:
             r = verify_torch_dist(ckpt, against=against, progress=progress)
         except _errors() as exc:
-            _fail(str(exc))
+            _fail(one_line_error(exc))
         report = {"ckpt": str(r.ckpt), "ok": True, "tensors": r.tensors, "bytes": r.bytes,
                   "compared_with_source": r.compared, "seconds": round(r.seconds, 3)}
         if json_out is not None:
@@ -143,7 +150,7 @@ def register(app: typer.Typer) -> None:
                 miles = verify_miles.verify_with_miles(ckpt, miles_dir=miles_dir, megatron_dir=megatron_dir,
                                                        against=against, impl=dsv4_impl)
             except (*_errors(), RuntimeError) as exc:
-                _fail(str(exc))
+                _fail(one_line_error(exc))
             if json_out is not None:
                 json_out.write_text(json.dumps({**report, "miles": miles}, indent=1, default=str) + "\n")
             typer.echo(verify_miles.summary(miles))

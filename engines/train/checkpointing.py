@@ -30,6 +30,7 @@ import torch
 from checkpoints.manifest import fsync_dir
 from checkpoints.megatron_io import megatron_load
 from checkpoints.names import megatron_to_native, placement
+from checkpoints.paths import resume_hint
 from checkpoints.torch_dist import (
     ITERATION_FILE,
     Box,
@@ -70,8 +71,8 @@ def latest_step(root: str | Path) -> int | None:
                              "checkpoint directory")
     step = int(text)
     if not (iteration_dir(root, step) / "metadata.json").exists():
-        raise TorchDistError(f"{marker} names iteration {step} but {iteration_dir(root, step)} is incomplete; "
-                             "restore it or delete the marker to restart from the previous iteration")
+        raise TorchDistError(f"{marker} names iteration {step} but {iteration_dir(root, step)} is incomplete (no "
+                             f"metadata.json). {resume_hint(Path(root), step)}")
     return step
 
 
@@ -197,7 +198,7 @@ def load_training_checkpoint(root: str | Path, step: int, cfg: ModelConfig) -> d
         state = read_trainer_state(d / TRAINER_STATE, step, cfg)
         tensors = megatron_load(d, boxes, specs)
     except TorchDistError as exc:
-        raise TorchDistError(f"{exc}. {_earlier_iterations_hint(Path(root), step)}") from exc
+        raise TorchDistError(f"{exc}. {resume_hint(Path(root), step)}") from exc
     megatron_state = {b.key: t for b, t in zip(boxes, tensors)}
     # tid2eid is int32 on disk (as Miles holds it); native tables are int64, what the models index with
     weights = {k: (v.float() if v.is_floating_point() else v.to(torch.int64))
@@ -228,15 +229,3 @@ def read_trainer_state(path: Path, step: int, cfg: ModelConfig) -> dict:
         raise TorchDistError(f"{path}: master weight {absent[0]!r} is missing ({len(absent)} tensors in all); "
                              "the file is corrupt or was written for another model config")
     return state
-
-
-def _earlier_iterations_hint(root: Path, step: int) -> str:
-    """How to get going again when iteration `step` cannot be read (for error messages)."""
-    earlier = sorted(int(p.name[len("iter_"):]) for p in root.glob("iter_*")
-                     if p.name[len("iter_"):].isdigit() and int(p.name[len("iter_"):]) < step
-                     and (p / "metadata.json").is_file())
-    restart = f"or delete {root} to restart the run from step 0"
-    if not earlier:
-        return f"No earlier checkpoint is kept: restore {iteration_dir(root, step)} from a copy, {restart}"
-    return (f"To resume from the earlier checkpoint of step {earlier[-1]}, write {earlier[-1]} into "
-            f"{root / ITERATION_FILE} (kept: steps {', '.join(map(str, earlier))}), {restart}")
