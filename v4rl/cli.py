@@ -39,7 +39,9 @@ LOSS_AGGREGATION = field_default_and_doc("engines.train.run", "TrainRunConfig", 
 CORRECTION_MODE, CORRECTION_OPSM, CORRECTION_OPSM_DELTA, CORRECTION_ROUTING_REPLAY = (
     field_default_and_doc("rl.correction_setting", "RolloutCorrection", name)
     for name in ("mode", "opsm", "opsm_delta", "routing_replay"))
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+from v4rl.errors import OneLineErrors  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=OneLineErrors, rich_markup_mode=None,
                   context_settings={"max_content_width": HELP_WIDTH},
                   help="DeepSeek-V4 RL pipeline: tiny CPU model end to end, cluster launch plans for MI355X.")
 
@@ -64,7 +66,7 @@ def bootstrap(out: Path = typer.Option(..., help="Directory to write the checkpo
     """Train the tiny model from scratch until held-out pass@1 lies in the band; write FP8 + FP4 HF checkpoint."""
     from v4rl import inputs
 
-    problem = inputs.output_dir("--out", out)
+    problem = inputs.output_dir("--out", out, replaces="hf")
     if problem:
         _fail(problem)
     from engines.train.bootstrap import BootstrapConfig, bootstrap as run
@@ -168,7 +170,7 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
     from rl.loss_setting import check_loss_aggregation
     from v4rl.train_flags import setting_problems
 
-    problems = [p for p in (inputs.output_dir("--out", out), inputs.hf_checkpoint("--base", base),
+    problems = [p for p in (inputs.run_dir("--out", out), inputs.hf_checkpoint("--base", base),
                             inputs.data_file("--train-data", train_data), inputs.data_file("--eval-data", eval_data))
                 if p] + setting_problems(reward=reward, eval_reward=eval_reward,
                                          rollout_expert_dtype=rollout_expert_dtype, rollout_weights=rollout_weights)
@@ -240,7 +242,7 @@ def _train_run(out: Path, created: bool, terminated: list[int], *, tensorboard: 
             _interrupted(out, terminated)
         if created and not (out / "config.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # the run never started: leave no directory behind
-        _fail(as_flags(str(exc)))
+        _fail(as_flags(one_line_error(exc)))  # raised in a Ray actor: its message, not Ray's remote traceback
     except KeyboardInterrupt:
         _interrupted(out, terminated)
     except Exception as exc:
@@ -276,7 +278,7 @@ def demo(workdir: Path = typer.Option(Path("runs/demo"), help="Where the demo ke
     from v4rl import inputs
     from v4rl.demo import DemoRefused, run_demo
 
-    problem = inputs.output_dir("--workdir", workdir)
+    problem = inputs.output_dir("--workdir", workdir, refuses=("hf", "torch_dist", "run"))
     if problem:
         _fail(problem)
     try:

@@ -53,7 +53,8 @@ def register(app: typer.Typer) -> None:
               for flag, value in (("--arms", arms), ("--seeds", seeds), ("--prompts-per-step", prompts_per_step),
                                   ("--n-eval", n_eval), ("--work-dir", work_dir))),
             _arms_problem(arms) if name == "learning" else None,
-            inputs.output_file("--json", json_out))  # before a benchmark of minutes, not when it writes its result
+            # before a benchmark of minutes, not when it writes its result
+            inputs.output_file("--json", json_out), inputs.output_dir("--work-dir", work_dir))
         if problem:
             typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)

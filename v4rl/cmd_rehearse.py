@@ -50,6 +50,12 @@ def register(app: typer.Typer) -> None:
         timeout: float = typer.Option(900.0, help="Seconds Miles' train.py may run before it is stopped."),
     ) -> None:
         """Rehearse the cluster's Miles job on CPU: Miles' own code, v4rl's engine, a tiny DeepSeek-V4."""
+        from v4rl import inputs
+
+        problem = inputs.first_problem(inputs.output_dir("--work-dir", work_dir), inputs.output_file("--json", json_out))
+        if problem:  # before Miles, Ray and the engine start, not when the report is written minutes later
+            typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1)
         from engines.rehearsal.job import substitution_table
         from engines.rehearsal.metrics import MilesMetrics, metrics_summary
         from engines.rehearsal.run import RehearsalError, RehearsalRequest, rehearse

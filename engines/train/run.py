@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,6 +316,7 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
     prompts, labels, eval_prompts, eval_labels = _task_data(config, tokenizer, Path(run_dir), log)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     grader, eval_grader = _graders(config, decode, (prompts[0], labels[0]), (eval_prompts[0], eval_labels[0]), log)
+    _check_weights(Path(config.base), "give a base checkpoint whose config.json matches its weights")
     runlog.write_config(config.to_dict(), may_change=OPERATIONAL_FIELDS)
     api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
@@ -354,8 +356,8 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
             log(f"starting over at step 1: {Path(run_dir) / 'checkpoints'} has no checkpoint; dropped {dropped} "
                 "metric rows of an earlier run" + (f" and the evaluations of steps {stale}" if stale else ""))
         weights = str(Path(run_dir) / "weights" / "current")
-        if not fresh:  # the served export may be newer than the checkpoint the trainer resumed from
-            sync_weights(learner, rollout, weights, start)
+        if not fresh or start:  # the served export may be newer (or, rewritten from the base, older) than the
+            sync_weights(learner, rollout, weights, start)  # checkpoint the trainer resumed from
         hooks = _RunHooks(config, Path(run_dir), runlog, learner, rollout, weights, stop, workers, log, on_step,
                           graders=[grader] if eval_grader is grader else [grader, eval_grader])
         run_grpo(rollout=rollout, learner=learner, data=TaskData(prompts, labels, eval_prompts, eval_labels),
@@ -389,6 +391,18 @@ def no_signal_warning(step: int, metrics: dict, config: TrainRunConfig) -> str:
     return line
 
 
+def _check_weights(ckpt: Path, fix: str) -> None:
+    """A HF checkpoint's tensors (from the headers) against its config.json, in the driver and before anything is
+    written: in a Ray actor's __init__ the same error comes with Ray's print of its traceback."""
+    from checkpoints.hf import CheckpointError
+    from checkpoints.hf_stream import plan_source
+
+    try:
+        plan_source(ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; {fix}") from exc
+
+
 def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
                            log: Callable[[str], None] = print, *, weight_format: str = "fp8") -> tuple[Path, bool]:
     """The directory the rollout engine starts from: the base with its routed experts stored as `expert_dtype`,
@@ -409,6 +423,7 @@ def _rollout_start_weights(base: str, run_dir: Path, expert_dtype: str = "fp8",
 
     current = run_dir / "weights" / "current"
     if (current / "config.json").exists():
+        _check_weights(current, f"delete {current} and run again (the run writes it anew from its training checkpoint)")
         return current, False
     stored = read_config(base)[1].get("expert_dtype") or "fp4"
     cfg, native = load_hf_checkpoint(base)
@@ -558,13 +573,17 @@ class _workers:
 
         self._session = ray_session()
         self._session.__enter__()
-        self._actors = RunActors.create(_safe_key(self.run_key), trainer_args=self.trainer_args,
-                                        rollout_args=self.rollout_args)
-        timeout = self.config.call_timeout_s
-        remote = lambda method, what, *a: call(method, *a, timeout=timeout, what=what)  # noqa: E731
-        url = remote(self._actors.rollout.url, "asking the rollout worker for its URL")
-        self.pids = {"driver": os.getpid(), "trainer": remote(self._actors.trainer.ping, "trainer pid"),
-                     "rollout": remote(self._actors.rollout.ping, "rollout pid")}
+        try:  # an actor whose __init__ raises (a damaged checkpoint): the session ends now, not in a GC at exit
+            self._actors = RunActors.create(_safe_key(self.run_key), trainer_args=self.trainer_args,
+                                            rollout_args=self.rollout_args)
+            timeout = self.config.call_timeout_s
+            remote = lambda method, what, *a: call(method, *a, timeout=timeout, what=what)  # noqa: E731
+            url = remote(self._actors.rollout.url, "asking the rollout worker for its URL")
+            self.pids = {"driver": os.getpid(), "trainer": remote(self._actors.trainer.ping, "trainer pid"),
+                         "rollout": remote(self._actors.rollout.ping, "rollout pid")}
+        except BaseException:
+            self._session.__exit__(*sys.exc_info())
+            raise
         return self._actors.trainer, url, remote
 
     def kill(self) -> None:
