@@ -203,6 +203,8 @@ class PipelineParams(FlowParams):
         if not v:
             return v
         path = Path(v).expanduser().resolve()
+        if path.is_dir():
+            raise ValueError(f"{info.field_name} {path} is a directory; give the data file inside it")
         if path.suffix.lower() not in (".jsonl", ".json", ".parquet"):
             raise ValueError(f"{info.field_name} {path}: unsupported file type {path.suffix!r}; give a .jsonl, .json "
                              "or .parquet file with prompt and label columns, or leave it empty for the synthetic task")
@@ -316,12 +318,17 @@ class PipelineParams(FlowParams):
     @model_validator(mode="after")
     def _check(self) -> "PipelineParams":
         # the embedded engines load hf_checkpoint on this host; a Miles job reads it on the cluster's shared disk
-        if backend_name(self.preset) == "embedded" and not (Path(self.hf_checkpoint) / "config.json").exists():
-            from checkpoints.paths import not_hf_reason
+        from checkpoints.paths import not_hf_reason, not_output_dir_reason
 
-            raise ValueError(f"hf_checkpoint {not_hf_reason(self.hf_checkpoint)}")
+        here = backend_name(self.preset) == "embedded"
+        reason = not_hf_reason(self.hf_checkpoint) if here else None
+        if reason:  # a run directory, another model, a shard missing or cut short: found before anything starts
+            raise ValueError(f"hf_checkpoint {reason}")
         if Path(self.runs_root).exists() and not Path(self.runs_root).is_dir():
             raise ValueError(f"runs_root {self.runs_root} is a file; give a directory (created if missing)")
+        reason = not_output_dir_reason(Path(self.runs_root)) if here else None
+        if reason:  # a read-only place, a full disk
+            raise ValueError(f"runs_root {reason}")
         if self.eval_interval > self.steps:
             raise ValueError(f"eval_interval ({self.eval_interval}) exceeds steps ({self.steps}); lower it so that "
                              "at least one evaluation runs")

@@ -175,11 +175,18 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        """A DeepSeek-V4 config.json, or the checkpoint directory holding one."""
         path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
         try:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read model config {path}: {exc}") from exc
+            raise ValueError(f"cannot read model config {path}: {exc}; give a DeepSeek-V4 config.json") from exc
+        model_type = raw.get("model_type") if isinstance(raw, dict) else "not a JSON object"
+        if model_type not in (None, "deepseek_v4"):
+            raise ValueError(f"model config {path} is {model_type!r}, not 'deepseek_v4'; give a DeepSeek-V4 "
+                             "config.json")
         return cls.from_hf_dict(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -213,7 +213,8 @@ def _config_from(config_json: str) -> Callable[[], dict[str, Any]]:
     import json
     from pathlib import Path
 
-    raw = json.loads(Path(config_json).read_text())
+    path = Path(config_json)
+    raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())  # a checkpoint dir: its config
     return lambda: dict(raw)
 
 

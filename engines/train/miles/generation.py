@@ -64,8 +64,8 @@ def detect_generation(miles_dir: str | Path) -> MilesGeneration:
     plugin = root / PLUGIN_DIR
     model = plugin / "deepseek_v4.py"
     if not root.is_dir():
-        raise MilesGenerationError(f"--miles-dir {root} does not exist; point it at your Miles checkout "
-                                   "(the directory holding train.py and miles_plugins/)")
+        raise MilesGenerationError(f"--miles-dir {root} {'is a file' if root.exists() else 'does not exist'}; point "
+                                   "it at your Miles checkout (the directory holding train.py and miles_plugins/)")
     if not model.is_file():
         raise MilesGenerationError(f"{root} has no {PLUGIN_DIR / 'deepseek_v4.py'}: not a Miles checkout with "
                                    "DeepSeek-V4 support; point --miles-dir (or $V4RL_MILES_DIR) at Miles main from "
