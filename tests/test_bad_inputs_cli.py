@@ -36,6 +36,8 @@ def bad(tmp_path_factory):
     (torch_dist / "release").mkdir(parents=True)
     (torch_dist / "latest_checkpointed_iteration.txt").write_text("release")
     (torch_dist / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    for name in (".metadata", "common.pt", "__0_0.distcp"):  # every file a complete one has (contents never read)
+        (torch_dist / "release" / name).write_bytes(b"")
     (root / "afile").write_text("not a folder")
     _write_jsonl(root / "qa.jsonl", [{"question": PROMPT.format(a=i, b=i), "answer": 2 * i} for i in range(8)])
     (root / "broken.jsonl").write_text("{not json\n" * 5)
