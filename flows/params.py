@@ -3,7 +3,7 @@
     PipelineParams.preset("tiny-cpu", steps=20)
 
 The cluster presets also read the block "Cluster site and Miles job": where the existing Ray cluster is
-(ray_address, master_addr, network interfaces, each also from a Prefect JSON block `site_block`), where Miles,
+(ray_address, master_addr, network interfaces, each also from a Prefect Variable `site_variable`), where Miles,
 Megatron-LM and the datasets live on its nodes, and which Miles v4rl builds the job for (31f1ca961).
 """
 
@@ -134,8 +134,10 @@ class PipelineParams(FlowParams):
     socket_ifname: str | None = Field(None, description="NIC for NCCL/RCCL, Gloo and tensorpipe bootstrap traffic "
                                                         "(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).")
     ib_hca: str | None = Field(None, description="NCCL_IB_HCA: the RDMA devices RCCL/NCCL may use, e.g. rdma0,rdma1.")
-    site_block: str | None = Field(None, description="Prefect JSON block with any of ray_address, master_addr, "
-                                                     "socket_ifname, ib_hca (a parameter given here wins).")
+    site_variable: str | None = Field(None, description="Prefect Variable holding a JSON object with any of "
+                                                        "ray_address, master_addr, socket_ifname, ib_hca (a parameter "
+                                                        "given here wins): `prefect variable set NAME "
+                                                        "'{\"ray_address\": ...}'`.")
     miles_dir: str = Field("/workspace/miles", description="Miles checkout on the cluster nodes (main 31f1ca961; "
                                                             "train.py runs from it).")
     megatron_dir: str = Field("/root/Megatron-LM", description="Megatron-LM miles-main checkout on the cluster nodes "
@@ -381,19 +383,25 @@ class PipelineParams(FlowParams):
                         megatron_dir=self.megatron_dir, data_dir=self.data_dir, log_dir=str(self.run_dir))
 
     def site(self):
-        """The engines.profiles.site.Site of this run: these parameters over `site_block`'s values."""
+        """The engines.profiles.site.Site of this run: these parameters over `site_variable`'s values. (Prefect 3.9
+        has no JSON block any more; a Variable holds a JSON object and is edited in the UI's Variables page.)"""
         from engines.profiles.site import SITE_PARAMETERS, Site
 
         given = {k: getattr(self, k) for k in SITE_PARAMETERS if getattr(self, k)}
-        if self.site_block:
-            from prefect.blocks.system import JSON
+        if self.site_variable:
+            from prefect.variables import Variable
 
-            block = JSON.load(self.site_block).value
-            unknown = sorted(set(block) - set(SITE_PARAMETERS))
+            stored = Variable.get(self.site_variable)
+            example = "'{\"ray_address\": \"http://HEAD:8265\", \"master_addr\": \"HEAD\"}'"
+            if not isinstance(stored, dict):
+                found = "does not exist" if stored is None else f"holds a {type(stored).__name__}, not a JSON object"
+                raise ValueError(f"site_variable {self.site_variable!r}: the Prefect Variable {found}; create it with "
+                                 f"`prefect variable set {self.site_variable} {example}`")
+            unknown = sorted(set(stored) - set(SITE_PARAMETERS))
             if unknown:
-                raise ValueError(f"site_block {self.site_block!r} has unknown keys {unknown}; use "
+                raise ValueError(f"site_variable {self.site_variable!r} has unknown keys {unknown}; use "
                                  f"{', '.join(SITE_PARAMETERS)}")
-            given = {**{k: v for k, v in block.items() if v}, **given}
+            given = {**{k: v for k, v in stored.items() if v}, **given}
         return Site(**given)
 
     @classmethod

@@ -120,7 +120,7 @@ def test_embedded_configs_built_for_tiny_cpu_are_the_preset(tmp_path, monkeypatc
 
     seen = {}
 
-    def capture(out, config):
+    def capture(out, config, **_):  # the CLI also hands its log line printer
         seen["config"] = dataclasses.asdict(config)
         return {"evals": []}
 

@@ -98,3 +98,23 @@ def test_prefect_deployment_run_refuses_the_unknown_field_before_creating_a_run(
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
     assert runs == []
+
+
+def test_the_site_comes_from_a_prefect_variable(prefect_server):  # noqa: F811
+    """`site_variable` reads the cluster site from a Prefect Variable on the real server (Prefect 3.9 has no JSON
+    block: the field was `site_block` and failed with ImportError); a parameter given directly wins; a missing or
+    misshapen variable and an unknown key are one line each."""
+    from prefect.variables import Variable
+
+    from flows.params import PipelineParams
+
+    Variable.set("v4rl-site-test", {"ray_address": "http://10.0.0.1:8265", "master_addr": "10.0.0.1"}, overwrite=True)
+    Variable.set("v4rl-site-typo", {"ray_adress": "http://10.0.0.1:8265"}, overwrite=True)
+    cluster = dict(preset="dsv4-flash-mi355x")
+    site = PipelineParams(**cluster, site_variable="v4rl-site-test", master_addr="10.0.0.2").site()
+    assert (site.ray_address, site.master_addr) == ("http://10.0.0.1:8265", "10.0.0.2")
+    with pytest.raises(ValueError, match=r"'v4rl-site-none': the Prefect Variable does not exist; create it with "
+                                         r"`prefect variable set v4rl-site-none"):
+        PipelineParams(**cluster, site_variable="v4rl-site-none").site()
+    with pytest.raises(ValueError, match=r"has unknown keys \['ray_adress'\]"):
+        PipelineParams(**cluster, site_variable="v4rl-site-typo").site()
