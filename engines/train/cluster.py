@@ -121,7 +121,7 @@ class RunActors:
                rollout_cpus: float = 1.0, timeout: float = 300.0) -> "RunActors":
         """Named actors `v4rl-<run_key>-{trainer,rollout}` in one placement group; reattach when alive."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from engines.train.actors import RolloutWorker, TrainerWorker
@@ -139,16 +139,22 @@ class RunActors:
             raise RemoteCallTimeout(f"placement group for run {run_key} (rollout {rollout_cpus} CPU + trainer "
                                     f"{trainer_cpus} CPU) was not scheduled within {timeout:.0f}s; "
                                     "the cluster lacks the resources")
-        rollout = ray.remote(RolloutWorker).options(
+        rollout = ray.remote(started_by_call(RolloutWorker)).options(
             name=names["rollout"], num_cpus=rollout_cpus, max_concurrency=4, lifetime="detached",
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(**rollout_args)
-        trainer = ray.remote(TrainerWorker).options(
+        ).remote()
+        trainer = ray.remote(started_by_call(TrainerWorker)).options(
             name=names["trainer"], num_cpus=trainer_cpus, lifetime="detached",
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1),
-        ).remote(**trainer_args)
-        call(rollout.ping, timeout=timeout, what="starting the rollout worker")
-        call(trainer.ping, timeout=timeout, what="starting the trainer")
+        ).remote()
+        try:
+            call(rollout.start, timeout=timeout, what="starting the rollout worker", **rollout_args)
+            call(trainer.start, timeout=timeout, what="starting the trainer", **trainer_args)
+        except BaseException:  # nothing half-started stays behind, detached, for a later run to reattach to
+            for actor in (trainer, rollout):
+                ray.kill(actor)
+            remove_placement_group(pg)
+            raise
         return cls(trainer, rollout, pg)
 
     def shutdown(self) -> None:
@@ -163,6 +169,31 @@ class RunActors:
             ray.kill(actor)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+
+
+def started_by_call(worker: type) -> type:
+    """`worker` as an actor class whose constructor runs in its first call, `start(**kwargs)`, instead of at
+    creation. A constructor that raises (a damaged checkpoint, a bad setting) then fails that call like any method:
+    the driver gets the exception itself (RayTaskError carrying, say, the CheckpointError) and reports it in one
+    line. Raised at creation, it killed the actor: the driver got an ActorDiedError holding only the text of the
+    remote traceback, and the pair's other, detached actor stayed alive."""
+
+    class Started(worker):
+        def __init__(self) -> None:  # the real constructor waits for start()
+            self._started = False
+
+        def start(self, **kwargs: Any) -> int:
+            worker.__init__(self, **kwargs)
+            self._started = True
+            return os.getpid()
+
+        def ping(self) -> int:  # a live actor whose start never ran is not reattached (_live_actor recreates it)
+            if not self._started:
+                raise RuntimeError(f"{worker.__name__} was created but never started")
+            return worker.ping(self)
+
+    Started.__name__ = Started.__qualname__ = worker.__name__
+    return Started
 
 
 def _live_actor(name: str):
