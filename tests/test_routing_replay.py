@@ -109,3 +109,34 @@ def test_shared_prefix_forward_counts_the_mismatch_of_full_sequences(tiny_base, 
     assert ours["perf/train_forwarded_tokens"] < ours["perf/train_tokens"] <= full["perf/train_forwarded_tokens"]
     assert shared._mismatch[1] == whole._mismatch[1] == sum(
         len(s.prompt_ids) + len(s.response_ids) - 1 for s in group) * len(shared.router_replay.layers)
+
+
+def test_replay_with_a_shared_prompt_forward_equals_replay_of_whole_sequences(tiny_base, rollouts):
+    """Replay keeps the shared prompt forward: each group's prompt is replayed once with its first sample's routes
+    (the engine routed the prompt alike for every sample) and each response with its own; the step's loss,
+    gradient and update equal those of whole sequences, each replayed with its own routes. A group whose samples
+    disagree on the prompt's routes is forwarded whole."""
+    _, cfg, native = rollouts
+    engine = RolloutEngine(tiny_base, EngineConfig(enable_return_routed_experts=True))
+    try:
+        specs = [RequestSpec(rid=f"g{i}", input_ids=[1, 20 + i // 3, 33, 47, 5], seed=i, return_routed_experts=True,
+                             return_logprob=True, sampling=SamplingParams(max_new_tokens=4 + 2 * (i % 3),
+                                                                          temperature=1.0))
+                 for i in range(6)]
+        group = samples(engine.generate(specs))
+    finally:
+        engine.shutdown()
+    grpo = GRPOConfig(rollout_correction=RolloutCorrection(mode="tis", routing_replay=True))
+    shared, whole = trainer(cfg, native, perturb=0.3), trainer(cfg, native, perturb=0.3)
+    whole.config.share_prompt_prefix = False
+    ours, full = shared.grpo_step(group, grpo), whole.grpo_step(group, grpo)
+    assert ours["perf/train_forwarded_tokens"] < ours["perf/train_tokens"]  # the prompt forwarded once per group
+    for key in ("train/pg_loss", "train/grad_norm", "train/router_mismatch_frac"):
+        assert ours[key] == pytest.approx(full[key], rel=1e-4, abs=1e-7), key
+    for (name, a), b in zip(shared.model.named_parameters(), whole.model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), name
+    group[1].routed_experts = group[1].routed_experts.clone()
+    layer = shared.router_replay.layers[0]  # the first prompt position, routed otherwise for this one sample
+    group[1].routed_experts[0, layer] = (group[1].routed_experts[0, layer] + 1) % cfg.n_routed_experts
+    again = trainer(cfg, native, perturb=0.3).grpo_step(group, grpo)
+    assert again["perf/train_forwarded_tokens"] >= again["perf/train_tokens"]  # every sample whole

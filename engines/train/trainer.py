@@ -231,13 +231,15 @@ class Trainer:
         return self.fake_quant.forward(self.model, input_ids, self._stored, **kwargs)
 
     def _forward_shared(self, batch: PrefixBatch, seqs: list[tuple[list[int], list[int]]],
-                        routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                        routes: list[torch.Tensor] | None = None, replay: bool = False) -> tuple[torch.Tensor, ...]:
         """Like _forward_logprobs, rows in `batch.members` order: prompts once, responses from the expanded cache.
-        With the rollout's `routes` (one per sequence) the router mismatch is counted from these two forwards."""
+        With the rollout's `routes` (one per sequence) the router mismatch is counted from these two forwards; with
+        `replay` they are replayed, the prompt's from its group's first sample (`_prompt_routes_agree` holds)."""
         from transformers import DynamicCache
 
         rows = [i for members in batch.members for i in members]
         expand = torch.tensor([g for g, members in enumerate(batch.members) for _ in members])
+        prompt_len = len(batch.prompts[0])
         r_max = max(len(seqs[i][1]) for i in rows)
         responses = torch.zeros(len(rows), r_max, dtype=torch.long)
         mask = torch.zeros(len(rows), r_max, dtype=torch.bool)
@@ -245,19 +247,23 @@ class Trainer:
             response = seqs[i][1]
             responses[b, :len(response)] = torch.tensor(response)
             mask[b, :len(response)] = True
+        replayed_prompts = replayed_responses = None
+        if replay:  # a route per position: the prompts' in the first forward, each response's in the second
+            replayed_prompts = torch.stack([routes[members[0]][:prompt_len].long() for members in batch.members])
+            replayed_responses = _padded_routes([routes[i][prompt_len:] for i in rows], r_max)
         with self._autocast():
             cache = DynamicCache(config=self.model.config)
-            with self.router_replay.forward(None):
-                    prefix = self._call_model(torch.tensor(batch.prompts), past_key_values=cache, use_cache=True)
+            with self.router_replay.forward(replayed_prompts):
+                prefix = self._call_model(torch.tensor(batch.prompts), past_key_values=cache, use_cache=True)
             own_prompt = self.router_replay.own_routes()[expand] if routes is not None else None
             cache.reorder_cache(expand)
-            with self.router_replay.forward(None):
+            with self.router_replay.forward(replayed_responses):
                 continued = self._call_model(responses, past_key_values=cache, use_cache=True)
         if routes is not None:  # a sequence's routes cover its prompt and all but its last response token
             own = torch.cat([own_prompt, self.router_replay.own_routes()[:, :-1]], dim=1)
             lengths = torch.tensor([len(seqs[i][0]) + len(seqs[i][1]) - 1 for i in rows])
             self._count_mismatch(own, [routes[i] for i in rows], lengths)
-        self._forwarded += len(batch.prompts) * len(batch.prompts[0]) + responses.numel()
+        self._forwarded += len(batch.prompts) * prompt_len + responses.numel()
         logits = torch.cat([prefix.logits[:, -1:][expand], continued.logits[:, :-1]], dim=1)
         return (*_token_logprobs_and_entropy(logits, responses), mask)
 
@@ -273,15 +279,17 @@ class Trainer:
                        replay: bool = False):
         """(sample indices in row order, forward) per micro-batch, skipping samples without response tokens. With
         the rollout's `routes` (one per sample) each forward counts router mismatches into self._mismatch; with
-        `replay` it also replays them, which runs whole sequences (a prompt shared by a group is routed once, but
-        each sample brings its own rollout routes for it)."""
+        `replay` it also replays them. A prompt shared by a group is forwarded once, replayed with its first
+        sample's routes, unless the group's samples came back with different routes for it: then every sample
+        is forwarded whole with its own."""
         keep = [i for i, (_, r) in enumerate(seqs) if r]
         kept = [seqs[i] for i in keep]
         kept_routes = None if routes is None else [routes[i] for i in keep]
-        if self.shares_prefix and not replay:
-            for batch in prefix_batches(kept, self.config.max_tokens_per_gpu):
+        batches = prefix_batches(kept, self.config.max_tokens_per_gpu) if self.shares_prefix else None
+        if batches is not None and (not replay or _prompt_routes_agree(batches, kept, kept_routes)):
+            for batch in batches:
                 rows = [keep[j] for members in batch.members for j in members]
-                yield rows, lambda batch=batch: self._forward_shared(batch, kept, kept_routes)
+                yield rows, lambda batch=batch: self._forward_shared(batch, kept, kept_routes, replay)
         else:
             for idx in self._batches([len(p) + len(r) for p, r in seqs], [len(r) for _, r in seqs]):
                 yield idx, lambda idx=idx: self._forward_logprobs(
@@ -401,6 +409,19 @@ class Trainer:
         self._stored = None
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+
+
+def _prompt_routes_agree(batches: list[PrefixBatch], seqs: list[tuple[list[int], list[int]]],
+                         routes: list[torch.Tensor]) -> bool:
+    """Whether every group's samples carry the same rollout routes for their shared prompt (so replaying the first
+    sample's in one prompt forward replays each sample's); an engine that prefilled a prompt once per group does."""
+    for batch in batches:
+        length = len(batch.prompts[0])
+        for members in batch.members:
+            first = routes[members[0]][:length]
+            if any(not torch.equal(routes[i][:length], first) for i in members[1:]):
+                return False
+    return True
 
 
 def _padded_routes(routes: list[torch.Tensor], length: int) -> torch.Tensor:
