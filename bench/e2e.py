@@ -58,12 +58,15 @@ class TRLSideFailed(RuntimeError):
 
 
 def main(json_out: Path, *, steps: int | None = None, settings: E2ESettings | None = None,
-         work_dir: Path | None = None) -> dict[str, Any]:
-    """Run both sides and write the JSON and the plot; `work_dir` keeps the runs and weight snapshots there
-    (default: a temporary directory, removed at the end)."""
+         work_dir: Path | None = None, seeds: int = 1, arms: str | None = None) -> dict[str, Any]:
+    """Run both sides for each of `seeds` seeds (settings.seed, +1, ...) and, per seed, every extra arm of
+    bench/e2e_arms.py named in `arms`; write the JSON and the plot. `work_dir` keeps the runs and weight snapshots
+    there (default: a temporary directory, removed at the end)."""
+    from bench.e2e_arms import parse_arms
     from bench.e2e_trl import require_trl
 
     trl_version = require_trl()
+    arm_names = parse_arms(arms)
     settings = settings or E2ESettings()
     if steps is not None:
         settings = E2ESettings(**{**settings.to_dict(), "steps": steps})
@@ -74,16 +77,12 @@ def main(json_out: Path, *, steps: int | None = None, settings: E2ESettings | No
     machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="v4rl-bench-e2e-") as tmp:
         work = Path(work_dir) if work_dir else Path(tmp)
-        with TRLSide(settings, work / "trl") as trl:
-            v4rl = _run_v4rl(settings, work / "v4rl", trl)
-            trl_log = trl.finish()
-        from bench.e2e_snapshots import cross_format_evals, evaluate_snapshots
-
-        evals = evaluate_snapshots(settings, {"v4rl": v4rl["snapshots"], "trl": trl.snapshots})
-        cross = cross_format_evals(settings, work / "v4rl", trl.snapshots[settings.steps], work / "cross-format")
+        per_seed = []
+        for offset in range(seeds):
+            seeded = E2ESettings(**{**settings.to_dict(), "seed": settings.seed + offset})
+            per_seed.append(_run_seed(seeded, work / f"seed-{seeded.seed}", arm_names, machine, trl_version))
     machine["load_avg_1m_at_end"] = load_average()
-    result = _result(settings, machine, v4rl, trl, trl_log, evals, trl_version)
-    result["cross_format_last_step"] = cross
+    result = _over_seeds(per_seed, settings, machine, trl_version)
     from bench.e2e_plot import plot_pass_at_k_vs_seconds
 
     result["plot"] = str(plot_pass_at_k_vs_seconds(result, json_out.with_suffix(".png")))
@@ -92,6 +91,33 @@ def main(json_out: Path, *, steps: int | None = None, settings: E2ESettings | No
     partial.write_text(json.dumps(result, indent=1) + "\n")
     partial.replace(json_out)
     _print_summary(result, json_out)
+    return result
+
+
+def _run_seed(settings: E2ESettings, work: Path, arms: list[str], machine: dict, trl_version: str) -> dict[str, Any]:
+    """One seed: `v4rl train` (the default arm) alternating step by step with TRL, then each extra arm alone, then
+    one evaluator over every snapshot."""
+    from bench.e2e_snapshots import cross_format_evals, evaluate_snapshots
+
+    with TRLSide(settings, work / "trl") as trl:
+        v4rl = _run_v4rl(settings, work / "v4rl", trl)
+        trl_log = trl.finish()
+    extra = {arm: _run_v4rl(settings, work / arm, None, arm=arm) for arm in arms[1:]}
+    evals = evaluate_snapshots(settings, {"v4rl": v4rl["snapshots"], "trl": trl.snapshots,
+                                          **{arm: run["snapshots"] for arm, run in extra.items()}})
+    cross = cross_format_evals(settings, work / "v4rl", trl.snapshots[settings.steps], work / "cross-format")
+    result = _result(settings, machine, v4rl, trl, trl_log, {side: evals[side] for side in ("v4rl", "trl")},
+                     trl_version)
+    result["cross_format_last_step"] = cross
+    result["arms"] = {}
+    for arm, run in extra.items():
+        seconds = [r["perf/step_time"] for r in run["rows"]]
+        elapsed = _cumulative(seconds)
+        for e in evals[arm]:
+            e["train_seconds"] = elapsed[e["step"]]
+        result["arms"][arm] = {"seconds_per_step": statistics.median(seconds), "evals": evals[arm],
+                               "reward": [r["rollout/raw_reward"] for r in run["rows"]],
+                               "learning": _learning([{"v4rl": evals[arm], "trl": evals["trl"]}])}
     return result
 
 
@@ -173,12 +199,14 @@ class TRLSide:
 
 
 # ---------------------------------------------------------------------------------------------- the v4rl side
-def _run_v4rl(settings: E2ESettings, run_dir: Path, trl: TRLSide) -> dict[str, Any]:
-    """`v4rl train` with the shared settings; after each of its steps the TRL side takes the same step."""
+def _run_v4rl(settings: E2ESettings, run_dir: Path, trl: TRLSide | None, arm: str = "v4rl") -> dict[str, Any]:
+    """`v4rl train` with the shared settings, changed as `arm` says (bench/e2e_arms.py); after each of its steps the
+    TRL side, if given, takes the same step."""
+    from bench.e2e_arms import arm_config
     from bench.e2e_snapshots import copy_snapshot, save_rollout_start, snapshot_dir
     from engines.train.run import run_training
 
-    snapshots_root = run_dir.parent / "snapshots" / "v4rl"
+    snapshots_root = run_dir.parent / "snapshots" / run_dir.name
     save_rollout_start(snapshots_root, settings.base)
     wanted = set(settings.eval_steps())
     rows: list[dict[str, float]] = []
@@ -188,10 +216,12 @@ def _run_v4rl(settings: E2ESettings, run_dir: Path, trl: TRLSide) -> dict[str, A
         rows.append({"step": step, "wall_s": time.perf_counter() - turn["since"], "load_1m": load_average(), **metrics})
         if step in wanted:
             copy_snapshot(run_dir / "weights" / "current", snapshots_root, step)
-        trl.take_step(step)
+        if trl is not None:
+            trl.take_step(step)
         turn["since"] = time.perf_counter()
 
-    run_training(run_dir, v4rl_config(settings), on_step=after_step, log=lambda line: print(f"[v4rl] {line}"))
+    run_training(run_dir, arm_config(arm, v4rl_config(settings)), on_step=after_step,
+                 log=lambda line: print(f"[{arm}] {line}"))
     # the first turn began when run_training was called: Ray, the actors and the rollout server start in it
     startup_s = rows[0]["wall_s"] - rows[0]["perf/step_time"]
     return {"rows": rows, "startup_s": startup_s,
@@ -212,7 +242,7 @@ def _result(settings: E2ESettings, machine: dict, v4rl: dict, trl: TRLSide, trl_
     for side, side_evals in evals.items():
         for e in side_evals:
             e["train_seconds"] = elapsed[side][e["step"]]
-    learning = _learning(evals)
+    learning = _learning([evals])
     speedup = statistics.median(p["ratio"] for p in pairs)
     phases = _phases(rows, trl)
     return {
@@ -268,26 +298,90 @@ def _cumulative(seconds: list[float]) -> list[float]:
     return out
 
 
-def _learning(evals: dict[str, list[dict]]) -> dict[str, Any]:
-    """pass@1 of both sides at each evaluated step, the difference and its noise (standard errors combined)."""
-    trl_by_step = {e["step"]: e for e in evals["trl"]}
+def _learning(per_seed: list[dict[str, list[dict]]]) -> dict[str, Any]:
+    """pass@1 of both sides ({"v4rl": evals, "trl": evals} per seed) at each evaluated step, averaged over seeds,
+    the difference and its standard error: the larger of the evaluation's sampling noise alone (each pass@1's
+    binomial standard error, combined) and the spread of the per-seed differences (which adds the training's own
+    randomness, estimated from few seeds); with one seed the sampling noise alone."""
+    n = len(per_seed)
+    trl_steps = [{e["step"]: e for e in evals["trl"]} for evals in per_seed]
     points = []
-    for ours in evals["v4rl"]:
-        theirs = trl_by_step.get(ours["step"])
-        if theirs is None:
+    for i, ours in enumerate(per_seed[0]["v4rl"]):
+        step = ours["step"]
+        if any(step not in by_step for by_step in trl_steps):
             continue
-        noise = math.hypot(ours["pass@1_se"], theirs["pass@1_se"])
-        diff = ours["pass@1"] - theirs["pass@1"]
-        points.append({"step": ours["step"], "v4rl": ours["pass@1"], "trl": theirs["pass@1"], "diff": diff,
-                       "diff_se": noise, "no_worse": diff >= -NOISE_SIGMAS * noise})
+        pairs = [(evals["v4rl"][i], by_step[step]) for evals, by_step in zip(per_seed, trl_steps)]
+        diffs = [o["pass@1"] - t["pass@1"] for o, t in pairs]
+        sampling = math.sqrt(sum(o["pass@1_se"] ** 2 + t["pass@1_se"] ** 2 for o, t in pairs)) / n
+        seeds_se = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else None
+        noise = max(sampling, seeds_se or 0.0)
+        diff = statistics.fmean(diffs)
+        points.append({"step": step, "v4rl": statistics.fmean(o["pass@1"] for o, _ in pairs),
+                       "trl": statistics.fmean(t["pass@1"] for _, t in pairs), "diff": diff, "diff_se": noise,
+                       "diff_se_sampling": sampling, "diff_se_seeds": seeds_se, "diff_per_seed": diffs,
+                       "no_worse": diff >= -NOISE_SIGMAS * noise})
     trained = [p for p in points if p["step"] > 0]
-    return {"pass@1": points, "no_worse": bool(trained) and all(p["no_worse"] for p in trained)}
+    return {"seeds": n, "pass@1": points, "no_worse": bool(trained) and all(p["no_worse"] for p in trained)}
+
+
+def _mean_evals(per_seed_evals: list[list[dict]]) -> list[dict[str, Any]]:
+    """One side's evaluations averaged over seeds, step by step; pass@1_se is the standard error of that mean from
+    the evaluations' sampling noise."""
+    n = len(per_seed_evals)
+    out = []
+    for points in zip(*per_seed_evals):
+        mean = {key: statistics.fmean(p[key] for p in points)
+                for key in ("pass@1", "pass@8", "train_seconds", "n_problems") if key in points[0]}
+        mean["pass@1_se"] = math.sqrt(sum(p["pass@1_se"] ** 2 for p in points)) / n
+        out.append({"step": points[0]["step"], **mean})
+    return out
+
+
+def _over_seeds(per_seed: list[dict[str, Any]], settings: E2ESettings, machine: dict,
+                trl_version: str) -> dict[str, Any]:
+    """The bench's result over every seed: speed from all step pairs, learning averaged over seeds (per arm too),
+    each seed's own result under per_seed."""
+    first = per_seed[0]
+    pairs = [{"seed": r["settings"]["seed"], **p} for r in per_seed for p in r["pairs"]]
+    speedup = statistics.median(p["ratio"] for p in pairs)
+    learning = _learning([r["evals"] for r in per_seed])
+    median_of = lambda get: statistics.median(get(r) for r in per_seed)  # noqa: E731
+    phases = {side: {name: median_of(lambda r: r["phases_median_s"][side][name]) for name in first["phases_median_s"][side]}
+              for side in first["phases_median_s"]}
+    arms = {arm: {"seconds_per_step": median_of(lambda r: r["arms"][arm]["seconds_per_step"]),
+                  "evals": _mean_evals([r["arms"][arm]["evals"] for r in per_seed]),
+                  "learning": _learning([{"v4rl": r["arms"][arm]["evals"], "trl": r["evals"]["trl"]}
+                                         for r in per_seed])}
+            for arm in first["arms"]}
+    return {
+        **{key: first[key] for key in ("steps", "trl_version", "differences")},
+        "settings": {**settings.to_dict(), "seeds": [r["settings"]["seed"] for r in per_seed]},
+        "seconds_per_step": {"v4rl": statistics.median(p["v4rl_s"] for p in pairs),
+                             "trl": statistics.median(p["trl_s"] for p in pairs)},
+        "speedup": speedup,
+        "pairs": pairs,
+        "phases_median_s": phases,
+        "phase_speedup": {name: phases["trl"][name] / phases["v4rl"][name] for name in ("rollout", "train")},
+        "evals": {side: _mean_evals([r["evals"][side] for r in per_seed]) for side in ("v4rl", "trl")},
+        "reward": {side: [statistics.fmean(values) for values in zip(*(r["reward"][side] for r in per_seed))]
+                   for side in ("v4rl", "trl")},
+        "learning": learning,
+        "arms": arms,
+        "cross_format_last_step": [r["cross_format_last_step"] for r in per_seed],
+        "per_seed": per_seed,
+        "machine": machine,
+        "goals": {"steps_per_second_vs_trl": {"goal": f">= {SPEED_GOAL}x", "value": speedup, "met": speedup >= SPEED_GOAL},
+                  "learning_per_step_no_worse": {"goal": f"held-out pass@1 at equal steps, averaged over seeds, >= "
+                                                         f"TRL's - {NOISE_SIGMAS:g} standard errors of the difference",
+                                                 "met": learning["no_worse"]}},
+        "note": first["note"] + "; over seeds: speedup = median over every seed's pairs, pass@1 = mean over seeds",
+    }
 
 
 def _print_summary(r: dict[str, Any], json_out: Path) -> None:
     s, p = r["seconds_per_step"], r["phases_median_s"]
     print(f"e2e GRPO ({r['settings']['prompts_per_step']} prompts x {r['settings']['n_samples']} samples, "
-          f"{r['steps']} steps each, TRL {r['trl_version']}):")
+          f"{r['steps']} steps each, seeds {r['settings']['seeds']}, TRL {r['trl_version']}):")
     v = p["v4rl"]
     print(f"  v4rl {s['v4rl']:.2f} s/step (rollout {v['rollout']:.2f}, train {v['train']:.2f}, "
           f"weight sync {v['weight_sync']:.2f}); trainer {v['train_tokens_per_s']:.0f} tok/s on "
@@ -299,8 +393,13 @@ def _print_summary(r: dict[str, Any], json_out: Path) -> None:
     for point in r["learning"]["pass@1"]:
         print(f"  step {point['step']:4d}: pass@1 v4rl {point['v4rl']:.3f}, TRL {point['trl']:.3f} "
               f"(diff {point['diff']:+.3f} +- {point['diff_se']:.3f})")
-    c = r["cross_format_last_step"]
-    print(f"  step {c['step']:4d}: TRL's weights as FP8 pass@1 {c['trl_as_fp8']['pass@1']:.3f}, v4rl's fp32 master "
-          f"{c['v4rl_master_fp32']['pass@1']:.3f}")
+    for arm, result in r["arms"].items():
+        worst = min(result["learning"]["pass@1"], key=lambda point: point["diff"])
+        print(f"  arm {arm}: {result['seconds_per_step']:.2f} s/step; pass@1 vs TRL at step {worst['step']} (its "
+              f"largest gap) {worst['diff']:+.3f} +- {worst['diff_se']:.3f}; no worse: "
+              f"{'yes' if result['learning']['no_worse'] else 'NO'}")
+    for c in r["cross_format_last_step"]:
+        print(f"  step {c['step']:4d}: TRL's weights as FP8 pass@1 {c['trl_as_fp8']['pass@1']:.3f}, v4rl's fp32 "
+              f"master {c['v4rl_master_fp32']['pass@1']:.3f}")
     print(f"  learning per step no worse: {'yes' if r['learning']['no_worse'] else 'NO'}; plot {r['plot']}")
     print(f"wrote {json_out}")

@@ -24,6 +24,9 @@ def plot_pass_at_k_vs_seconds(result: dict[str, Any], path: Path) -> Path:
                     color=style["color"], capsize=2, label=f"{style['label']} pass@1")
         ax.plot(seconds, [e["pass@8"] for e in evals], "s--", color=style["color"], label=f"{style['label']} pass@8")
     s = result["settings"]
+    for arm, arm_result in result.get("arms", {}).items():  # pass@1 only: the arms are there to compare learning
+        evals = arm_result["evals"]
+        ax.plot([e["train_seconds"] for e in evals], [e["pass@1"] for e in evals], ".:", label=f"arm {arm} pass@1")
     ax.set(xlabel="training seconds (sum of GRPO step times)", ylabel="held-out pass@k", ylim=(0, 1),
            title=f"Held-out pass@k against time: {result['steps']} steps of {s['prompts_per_step']} x "
                  f"{s['n_samples']}, speedup {result['speedup']:.2f}x")

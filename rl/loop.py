@@ -117,12 +117,17 @@ class LoopConfig:
     """Generation rounds per step before dynamic sampling stops refilling, warns and trains on the groups it has."""
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (GRPO); False: mean-centred only (Dr.GRPO)."""
+    advantage_eps: float = 1e-6
+    """Added to the group std before dividing (Miles' 1e-6; TRL's GRPOTrainer uses 1e-4). > 0."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 2:
             raise ValueError(f"n_samples={self.n_samples!r}, but GRPO needs at least 2 samples per prompt: the group "
                              "mean is the baseline, so a group of one always has advantage 0 (and no std). Set "
                              "n_samples >= 2 (the seed uses 8).")
+        if not self.advantage_eps > 0:
+            raise ValueError(f"advantage_eps={self.advantage_eps} must be > 0: it keeps a group whose rewards are all "
+                             "equal from dividing by a zero std. Use 1e-6 (Miles) or 1e-4 (TRL).")
         if self.dynamic_sampling_max_rounds < 1:
             raise ValueError(f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 1 (1 = "
                              "filter without refilling). Set dynamic_sampling=False to turn dynamic sampling off "
@@ -227,13 +232,13 @@ def rollout_step(step: int, *, rollout: Rollout, prompts: list[list[int]], label
     return groups, metrics
 
 
-def advantages_of(groups: list[Group], normalize_std: bool = True) -> list[list[float]]:
+def advantages_of(groups: list[Group], normalize_std: bool = True, eps: float = 1e-6) -> list[list[float]]:
     if not groups:
         return []
     n = len(groups[0].rewards)
     if any(len(g.rewards) != n for g in groups):
         raise ValueError("every group must hold the same number of samples")
-    return group_advantages(torch.tensor([g.rewards for g in groups]), normalize_std=normalize_std).tolist()
+    return group_advantages(torch.tensor([g.rewards for g in groups]), normalize_std=normalize_std, eps=eps).tolist()
 
 
 def evaluate(rollout: Rollout, prompts: list[list[int]], labels: list[str], *, n: int, max_new_tokens: int,
@@ -301,7 +306,8 @@ def run_grpo(*, rollout: Rollout, learner: Learner, data: TaskData, config: Loop
             hooks.graded(step, metrics)
             t1 = time.monotonic()
             if groups:  # dynamic sampling may have filtered every group: then there is nothing to step on
-                metrics.update(learner.train_step(groups, advantages_of(groups, config.normalize_std)))
+                advantages = advantages_of(groups, config.normalize_std, config.advantage_eps)
+                metrics.update(learner.train_step(groups, advantages))
             t2 = time.monotonic()
             metrics["perf/update_weights_time"] = sync_weights(learner, rollout, weights_path, step) if groups else 0.0
         metrics.update({"perf/train_time": t2 - t1, "perf/step_time": time.monotonic() - t0})

@@ -96,9 +96,11 @@ def test_bad_input_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["bench", "learning", "--json", str(tmp_path / "l.json"), "--arms", "nope"])
     assert res.exit_code == 2 and "--arms: unknown arm(s) ['nope']" in res.output
     res = CliRunner().invoke(app, ["bench", "train", "--json", str(tmp_path / "t.json"), "--seeds", "2"])
-    assert res.exit_code == 2 and "--seeds applies to learning only" in res.output
-    res = CliRunner().invoke(app, ["bench", "e2e", "--json", str(tmp_path / "e.json"), "--work-dir", str(tmp_path)])
-    assert res.exit_code == 2 and "--work-dir applies to learning only" in res.output
+    assert res.exit_code == 2 and "--seeds applies to learning and e2e only" in res.output
+    res = CliRunner().invoke(app, ["bench", "e2e", "--json", str(tmp_path / "e.json"), "--n-eval", "5"])
+    assert res.exit_code == 2 and "--n-eval applies to learning only" in res.output
+    res = CliRunner().invoke(app, ["bench", "e2e", "--json", str(tmp_path / "e.json"), "--arms", "v4rl,fp8-tis"])
+    assert res.exit_code == 2 and "--arms: unknown arm(s) ['fp8-tis']; choose from v4rl, bf16-rollout" in res.output
 
 
 def test_the_engine_serves_bf16_and_refuses_to_mix_storages(tiny_checkpoint, tmp_path):

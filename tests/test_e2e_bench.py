@@ -97,7 +97,7 @@ def test_bench_e2e_smoke_run_writes_json_and_plot(tmp_path):
     from bench.e2e import main
 
     out = tmp_path / "bench" / "e2e.json"
-    result = main(out, settings=E2ESettings(**SMOKE), work_dir=tmp_path / "work")
+    result = main(out, settings=E2ESettings(**SMOKE), work_dir=tmp_path / "work", arms="trl-like")
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["steps"] == 2 and result["trl_version"] == trl.__version__
     assert set(result["seconds_per_step"]) == {"v4rl", "trl"}
@@ -119,10 +119,53 @@ def test_bench_e2e_smoke_run_writes_json_and_plot(tmp_path):
     start = result["learning"]["pass@1"][0]
     assert start["step"] == 0 and abs(start["diff"]) <= 2 * start["diff_se"] + 1e-9
     assert set(result["goals"]) == {"steps_per_second_vs_trl", "learning_per_step_no_worse"}
+    arm = result["arms"]["trl-like"]  # v4rl with TRL's choices, run alone on the same seed, evaluated alike
+    assert [e["step"] for e in arm["evals"]] == [0, 1, 2] and arm["seconds_per_step"] > 0
+    assert [p["step"] for p in arm["learning"]["pass@1"]] == [0, 1, 2]
+    config = json.loads((tmp_path / "work" / "seed-0" / "trl-like" / "config.json").read_text())
+    assert (config["rollout_weights"], config["share_prompt_prefix"], config["loop"]["advantage_eps"]) == \
+        ("bf16", False, 1e-4)
     # each side trained: its weights at step 2 differ from its step-0 weights
     from checkpoints.hf import load_hf_checkpoint
 
-    for root in (tmp_path / "work" / "snapshots" / "v4rl", tmp_path / "work" / "trl" / "snapshots" / "trl"):
+    for root in (tmp_path / "work" / "seed-0" / "snapshots" / "v4rl",
+                 tmp_path / "work" / "seed-0" / "trl" / "snapshots" / "trl"):
         before, after = load_hf_checkpoint(root / "step_000000")[1], load_hf_checkpoint(root / "step_000002")[1]
         assert before.keys() == after.keys()
         assert any(not before[k].equal(after[k]) for k in before), f"{root}: no weight changed in two steps"
+
+
+def test_learning_over_seeds_averages_and_takes_the_larger_noise():
+    """bench e2e over seeds: pass@1 per step is the mean over seeds; the difference's standard error is the larger of
+    the evaluations' sampling noise and the spread of the per-seed differences; one seed is the sampling noise."""
+    from bench.e2e import _learning, _mean_evals
+
+    def evals(*values):
+        return [{"step": 5 * i, "pass@1": v, "pass@1_se": 0.01, "pass@8": 0.9} for i, v in enumerate(values)]
+
+    seeds = [{"v4rl": evals(0.3, 0.40), "trl": evals(0.3, 0.44)}, {"v4rl": evals(0.3, 0.42), "trl": evals(0.3, 0.40)},
+             {"v4rl": evals(0.3, 0.38), "trl": evals(0.3, 0.46)}]
+    point = _learning(seeds)["pass@1"][1]
+    assert point["diff"] == pytest.approx((-0.04 + 0.02 - 0.08) / 3)
+    assert point["diff_se_sampling"] == pytest.approx(statistics.sqrt(6 * 0.01 ** 2) / 3)
+    assert point["diff_se_seeds"] == pytest.approx(statistics.stdev([-0.04, 0.02, -0.08]) / statistics.sqrt(3))
+    assert point["diff_se"] == max(point["diff_se_sampling"], point["diff_se_seeds"])
+    assert point["no_worse"] == (point["diff"] >= -2 * point["diff_se"])
+    one = _learning(seeds[:1])["pass@1"][1]
+    assert one["diff_se"] == pytest.approx(statistics.sqrt(2) * 0.01) and one["diff_se_seeds"] is None
+    assert [e["pass@1"] for e in _mean_evals([s["trl"] for s in seeds])] == pytest.approx([0.3, 1.3 / 3])
+
+
+def test_e2e_arms_change_one_setting_each_and_unknown_ones_are_refused():
+    from bench.e2e_arms import ARMS, arm_config, parse_arms
+
+    base = v4rl_config(E2ESettings(steps=2, prompts_per_step=4, n_samples=2))
+    assert arm_config("v4rl", base) is base
+    changed = {arm: {k for k, v in arm_config(arm, base).to_dict().items() if base.to_dict().get(k) != v}
+               for arm in ARMS if arm not in ("v4rl", "trl-like")}
+    assert changed == {"bf16-rollout": {"rollout_weights", "quantization_aware"},
+                       "no-correction": {"rollout_correction"}, "full-sequences": {"share_prompt_prefix"},
+                       "one-micro-batch": {"max_tokens_per_gpu"}, "trl-eps": {"loop"}}
+    assert parse_arms("trl-like, no-correction") == ["v4rl", "no-correction", "trl-like"]
+    with pytest.raises(ValueError, match=r"unknown arm\(s\) \['tis'\]; choose from v4rl"):
+        parse_arms("tis")

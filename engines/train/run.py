@@ -52,14 +52,16 @@ def tiny_loop(**overrides) -> LoopConfig:
     """The tiny-cpu preset's loop (dynamic sampling off, as its runs were measured), with `overrides`."""
     return LoopConfig(**{**{k: TINY[k] for k in LOOP_NUMBERS}, "dynamic_sampling": False, **overrides})
 OPERATIONAL_FIELDS = ("steps", "call_timeout_s", "use_ray", "mismatch_threshold", "mismatch_steps", "mismatch_action",
-                      "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool")
+                      "metric_sinks", "max_grader_error_ratio", "grader_workers", "grader_pool", "share_prompt_prefix")
 """Config fields a resumed run may change: they steer the run, not the trajectory."""
 NEW_FIELD_DEFAULTS = {"train_data": "", "eval_data": "", "reward": "auto", "eval_reward": "auto",
                       "rollout_expert_dtype": "fp8", "input_key": "prompt", "label_key": "label",
                       "rollout_correction": RolloutCorrection().to_dict(), "rollout_weights": "fp8",
                       "loss_aggregation": "token-mean"}
+NEW_LOOP_FIELD_DEFAULTS = {"advantage_eps": 1e-6}
 """Left out of config.json while at these values, so runs written before these fields existed resume unchanged
-(loss_aggregation's is what those runs trained, not today's default: such a run resumes with token-mean only)."""
+(loss_aggregation's is what those runs trained, not today's default: such a run resumes with token-mean only);
+NEW_LOOP_FIELD_DEFAULTS the same inside `loop`."""
 ROLLOUT_WEIGHTS = ("fp8", "bf16")
 """How a rollout engine can serve the linears (TrainRunConfig.rollout_weights): FP8 128x128 blocks, or unquantized."""
 EXPERT_DTYPES = ("fp8", "fp4")
@@ -87,6 +89,10 @@ class TrainRunConfig:
     max_tokens_per_gpu: int = TINY["max_tokens_per_gpu"]
     """Token budget of one trainer micro-batch."""
     recompute: bool = False
+    share_prompt_prefix: bool = True
+    """The trainer forwards each GRPO group's prompt once and continues its samples from the prompt's cache
+    (TrainerConfig.share_prompt_prefix: the same logprobs and gradients as full sequences, to float rounding, at
+    about a quarter of the forwarded tokens on tiny-cpu). False forwards every sample whole."""
     quantization_aware: bool = True
     """Trainer forwards with the FP8 weights the rollout serves (engines/train/fake_quant.py); without it the
     per-step updates are mostly rounded away on export and train/rollout logprobs drift apart (~0.2)."""
@@ -184,9 +190,10 @@ class TrainRunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name, default in NEW_FIELD_DEFAULTS.items():
-            if out[name] == default:
-                del out[name]
+        for fields, defaults in ((out, NEW_FIELD_DEFAULTS), (out["loop"], NEW_LOOP_FIELD_DEFAULTS)):
+            for name, default in defaults.items():
+                if fields[name] == default:
+                    del fields[name]
         return out
 
 
@@ -322,6 +329,7 @@ def _train(run_dir: str | Path, config: TrainRunConfig, *, until: int | None, lo
     trainer_args = dict(base_dir=config.base, checkpoint_root=str(Path(run_dir) / "checkpoints"),
                         trainer_config=TrainerConfig(lr=config.lr, max_tokens_per_gpu=config.max_tokens_per_gpu,
                                                      recompute=config.recompute,
+                                                     share_prompt_prefix=config.share_prompt_prefix,
                                                      quantization_aware=config.quantization_aware,
                                                      rollout_expert_dtype=config.rollout_expert_dtype,
                                                      rollout_weight_format=config.rollout_weights),
