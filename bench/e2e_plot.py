@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engines.train.report import _save, plt
+from engines.runs.report import _save, plt
 
 STYLE = {"v4rl": {"color": "tab:blue", "label": "v4rl train"}, "trl": {"color": "tab:orange", "label": "TRL GRPOTrainer"}}
 

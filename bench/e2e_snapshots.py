@@ -113,7 +113,7 @@ def cross_format_evals(settings: E2ESettings, v4rl_run_dir: Path, trl_last: Path
     rounding keeps); `v4rl_master_fp32` is v4rl's fp32 master weights from its final training checkpoint
     (trained through the FP8 forward, so not the model v4rl serves)."""
     from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
-    from engines.train.checkpointing import load_training_checkpoint
+    from engines.runs.checkpointing import load_training_checkpoint
 
     cfg, trl_weights = load_hf_checkpoint(trl_last)
     as_fp8 = save_hf_checkpoint(work / "trl_as_fp8", cfg, trl_weights, weight_format="fp8", expert_dtype="fp8",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engines.train.report import _save, plt
+from engines.runs.report import _save, plt
 
 
 def plot_learning(result: dict[str, Any], path: Path) -> Path:

@@ -222,7 +222,7 @@ def _write_json(path: Path, result: dict[str, Any]) -> None:
 
 
 def _plot(result: dict[str, Any], path: Path) -> Path:
-    from engines.train.report import _save, plt
+    from engines.runs.report import _save, plt
 
     cases = result["cases"]
     settings = list(cases[0]["by_threads"])

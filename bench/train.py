@@ -53,7 +53,7 @@ DEFAULT_MODEL = TINY_BASE
 N_SEQUENCES, SAMPLES_PER_PROMPT = 256, 8
 RESPONSE_LEN = (3, 24)
 TOKEN_IDS = (4, 99)
-MAX_TOKENS = 2048  # the tiny-cpu launch preset's max_tokens_per_gpu (engines/train/miles/launch.py)
+MAX_TOKENS = 2048  # the tiny-cpu launch preset's max_tokens_per_gpu (engines/miles/launch.py)
 GOAL = 1.5
 
 

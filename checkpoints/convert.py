@@ -221,7 +221,7 @@ def convert_hf_to_torch_dist(src: str | Path, dst: str | Path, *, workers: int |
     """HF DeepSeek-V4 checkpoint (FP8/FP4 or BF16) -> Megatron torch_dist BF16 directory `dst` (see module doc).
 
     megatron_names: the key names of the Miles generation that loads it (checkpoints/names.py MegatronNames;
-    engines/train/miles/generation.py reads them from a Miles checkout), recorded in common.pt.
+    engines/miles/generation.py reads them from a Miles checkout), recorded in common.pt.
 
     verify: "structure" (megatron-core reads the metadata: names, shapes, dtypes; one tensor loaded and
     compared), "full" (`verify_torch_dist(..., against=src)` before the rename), or "none".

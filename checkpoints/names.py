@@ -17,7 +17,7 @@ A column holds a tuple of `Part`s (`Split`) where that format stores ONE native 
 HyperConnectionModule keeps each mHC scale `hc_*_scale` [3] as `alpha_pre`, `alpha_post`, `alpha_res` [1]
 (blocks 0, 1, 2, DeepSeek's packed order). `placements` gives every box of such a tensor.
 
-Two Megatron columns, one per Miles DeepSeek-V4 generation (`MegatronNames`, engines/train/miles/generation.py
+Two Megatron columns, one per Miles DeepSeek-V4 generation (`MegatronNames`, engines/miles/generation.py
 tells a checkout's apart): `megatron`, Miles' plugin names (Miles 31f1ca961 + Megatron-LM 2e64d788b,
 `self_attention.wq_a.weight`, `hc_attn_scale`, `hc_head_params.hc_head_fn`); `megatron2`, Megatron's names
 (Miles e9e19b223 + Megatron-LM 6184c094a: `self_attention.linear_q_down_proj.weight`, `linear_o_group_proj`
@@ -75,7 +75,7 @@ COLUMNS = ("native", "transformers", "sglang", "megatron", "megatron2")
 `megatron2`: Megatron's own names (Miles e9e19b223 "DeepSeek-V4 support-v2" + Megatron-LM 6184c094a)."""
 MegatronNames = Literal["plugin", "megatron"]
 """Which Megatron names a torch_dist checkpoint uses: `plugin` (Miles' first DeepSeek-V4 generation) or
-`megatron` (Megatron's names, Miles' second generation); engines/train/miles/generation.py tells them apart."""
+`megatron` (Megatron's names, Miles' second generation); engines/miles/generation.py tells them apart."""
 MEGATRON_NAMES: tuple[MegatronNames, ...] = ("plugin", "megatron")
 MEGATRON_COLUMN: dict[str, str] = {"plugin": "megatron", "megatron": "megatron2"}
 """MegatronNames -> its NAME_TABLE column."""

@@ -55,7 +55,7 @@ def _regression_check(run_dir: str, step: int, result: dict) -> dict:
     verdict at the end judges the run against earlier nights."""
     from prefect import get_run_logger
 
-    from engines.train.runlog import RunLog
+    from engines.runs.runlog import RunLog
     from rl.verdict import evaluation_regression
 
     check = evaluation_regression({"step": step, **result}, RunLog(run_dir).evals())
@@ -71,8 +71,8 @@ def _publish_plot(run_dir: str, step: int, artifact_key: str | None) -> None:
     """pass@k over every step evaluated so far: plots/pass_at_k.png, and a markdown artifact embedding it."""
     import base64
 
-    from engines.train.report import plot_pass_at_k
-    from engines.train.runlog import RunLog
+    from engines.runs.report import plot_pass_at_k
+    from engines.runs.runlog import RunLog
 
     plot = plot_pass_at_k(RunLog(run_dir).evals(), Path(run_dir) / "plots" / "pass_at_k.png")
     if plot is None:

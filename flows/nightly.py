@@ -78,7 +78,7 @@ def load_history(store_url: str, endpoint_url: str | None, secret_block: str | N
 
 @flow(name="nightly-validation", log_prints=True)
 def nightly_validation(params: NightlyParams = NightlyParams()):
-    from engines.train.runlog import RunLog
+    from engines.runs.runlog import RunLog
     from rl.verdict import nightly_verdict, same_preset
     from tasks.upload import upload_artifacts
 

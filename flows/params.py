@@ -253,7 +253,7 @@ class PipelineParams(FlowParams):
         # resolved_miles_generation reads the checkout at conversion time; a non-Miles tree is refused here, in one
         # line, before the run starts, not as a traceback from the first task that asks
         if self.miles_check_dir and self.miles_generation is None:
-            from engines.train.miles.generation import MilesGenerationError, detect_generation
+            from engines.miles.generation import MilesGenerationError, detect_generation
 
             try:
                 detect_generation(self.miles_check_dir)
@@ -344,7 +344,7 @@ class PipelineParams(FlowParams):
         local = self.miles_check_dir or os.environ.get("V4RL_MILES_DIR")
         if not local:
             return 1
-        from engines.train.miles.generation import detect_generation
+        from engines.miles.generation import detect_generation
 
         return detect_generation(local).generation
 
@@ -358,7 +358,7 @@ class PipelineParams(FlowParams):
         out: dict = {"num_rollout": self.steps, "rollout_batch_size": self.prompts_per_step,
                      "n_samples_per_prompt": self.n_samples, "eval_interval": self.eval_interval,
                      "n_samples_per_eval_prompt": self.eval_samples, "lr": self.lr}
-        if self.correction() != _CORRECTION:  # Miles' flags: engines/train/miles/train_args.py correction_args
+        if self.correction() != _CORRECTION:  # Miles' flags: engines/miles/train_args.py correction_args
             out["rollout_correction"] = self.correction().to_dict()
         if self.save_interval:  # else the preset's (MilesSettings.save_interval): one job saves on its own grid
             out["save_interval"] = self.save_interval
@@ -375,8 +375,8 @@ class PipelineParams(FlowParams):
         return out
 
     def miles_job(self):
-        """The engines.train.miles.MilesJob of this run: our torch_dist as --ref-load, Miles' saves in the run dir."""
-        from engines.train.miles import MilesJob
+        """The engines.miles.MilesJob of this run: our torch_dist as --ref-load, Miles' saves in the run dir."""
+        from engines.miles import MilesJob
 
         return MilesJob(run_id=self.run_key, hf_checkpoint=self.hf_checkpoint, ref_load=str(self.run_dir / "torch_dist"),
                         save_dir=str(self.run_dir / "miles-checkpoints"), miles_dir=self.miles_dir,
@@ -456,7 +456,7 @@ def _miles(p: PipelineParams):
     preset, where its results go, the checkouts preflight checks it against, and the torch_dist names its Miles
     generation loads."""
     from engines.backends.miles import MilesBackend
-    from engines.train.miles.pipeline import ClusterRun
+    from engines.miles.pipeline import ClusterRun
 
     run = ClusterRun(preset=p.preset, job=p.miles_job(), site=p.site(), run_dir=str(p.run_dir),
                      eval_interval=p.eval_interval, overrides=p.miles_overrides(),

@@ -12,12 +12,12 @@ GPU preset runs ONE Miles job for the whole run on the existing Ray cluster (Mil
 every eval_interval rollouts, saves every --save-interval), aligns with SGLang + Megatron there, and lands its
 metrics and evaluations in the same run directory, report and nightly verdict. The training task runs in the
 flow's thread pool (`.submit`), so the flow's own thread starts an evaluate subflow per evaluation as soon as its
-eval/step_XXXXXX.json lands (engines/train/landed.py): the UI shows step 10's pass@k while step 11 trains.
+eval/step_XXXXXX.json lands (engines/runs/landed.py): the UI shows step 10's pass@k while step 11 trains.
 
 Every step is a Prefect task or subflow: retried where a retry can help, cached across flow runs where the
 work is deterministic (conversion by source identity, a finished training by run key), so a new flow run after
 a crash skips what is done and resumes training at the last checkpoint. Cancelling the flow run stops the
-training: the flow asks it to stop (engines/train/stopping.py), which stops the Miles Ray job (`ray job stop`)
+training: the flow asks it to stop (engines/runs/stopping.py), which stops the Miles Ray job (`ray job stop`)
 or kills the embedded trainer's Ray actors, and waits for it; the `on_cancellation` hook stops a Miles job the
 flow process could not (it was killed first). A later run with the same run key resumes.
 
@@ -30,9 +30,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact
 
-from engines.train.landed import landed_evaluations
-from engines.train.run_lock import hold_run_dir
-from engines.train.stopping import clear_stop, request_stop
+from engines.runs.landed import landed_evaluations
+from engines.runs.run_lock import hold_run_dir
+from engines.runs.stopping import clear_stop, request_stop
 
 from flows.evaluate import evaluate
 from flows.params import PipelineParams
@@ -53,7 +53,7 @@ STOP_WAIT_S = 20.0
 def _stop_what_the_run_started(flow, flow_run, state) -> None:
     """on_cancellation hook (run by Prefect's runner after it killed the flow process): `ray job stop` the Miles
     job the run's training task left running, if the flow process did not get to stop it."""
-    from engines.train.miles.pipeline import stop_live_job
+    from engines.miles.pipeline import stop_live_job
 
     params = PipelineParams.model_validate((flow_run.parameters or {}).get("params") or {})
     stopped = stop_live_job(params.run_dir)

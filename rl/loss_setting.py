@@ -1,6 +1,6 @@
 """How the policy loss aggregates its per-token terms over a step: the one setting (pure data, no torch) that the
 embedded trainer (rl.grpo.GRPOConfig), the embedded run (engines/train/run.py TrainRunConfig) and the Miles job
-(engines/presets/spec.py AlgorithmSpec -> engines/train/miles/train_args.py) read, so the two backends train the
+(engines/presets/spec.py AlgorithmSpec -> engines/miles/train_args.py) read, so the two backends train the
 same objective. docs/loss.md says what the conformance tests prove about it.
 
     >>> check_loss_aggregation("token-mean"), miles_loss_flags("token-mean")

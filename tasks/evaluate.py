@@ -3,7 +3,7 @@
 
 `held_out_eval` (embedded engines, engines/train/held_out.py): the rollout engine serving the weights over real
 HTTP, graded by the run's eval_reward; a crash or timeout is retried once after 5 s, a bad input never.
-`miles_eval` (cluster, engines/train/miles/pipeline.py): Miles' own evaluation of the step's checkpoint (the record
+`miles_eval` (cluster, engines/miles/pipeline.py): Miles' own evaluation of the step's checkpoint (the record
 Miles logged during training, else its eval-only job, a cluster job: retried once after a minute, whatever failed).
 
 Both write eval/step_XXXXXX.json and return it.

@@ -26,7 +26,7 @@ def preflight(preset: str, seed: int = 0, *, backend: Backend, hf_checkpoint: st
               secret_block: str | None = None) -> dict:
     """`backend`: the run's engines (flows/params.py PipelineParams.backend); their own checks come last.
     `store_url` .. `secret_block`: where the run's artifacts go (tasks/upload.py upload_artifacts' arguments)."""
-    from engines.train.miles.launch import preflight_plan
+    from engines.miles.launch import preflight_plan
     from rl.math_task import make_splits
 
     log = get_run_logger()

@@ -2,7 +2,7 @@
 MilesSettings.rehearse, the flow's `rehearse` parameter), the rl-pipeline runs `v4rl rehearse --stage S` on its own
 host before anything touches the cluster: Miles' own train.py, unmodified, on a local Ray head with v4rl's engine
 as its SGLang, for the job v4rl builds for this run (the preset with the run's overrides), changed only where a
-CPU must differ (engines/rehearsal/run.py `rehearse`, docs/rehearsal.md).
+CPU must differ (engines/upstream/rehearsal/run.py `rehearse`, docs/rehearsal.md).
 
 Its report is the run's markdown artifact `<run>-rehearsal` (verdict, stages with seconds and errors, Miles'
 metrics per rollout, evaluations, the substitution table) and <run_dir>/rehearsal.json; Miles' logs of the last
@@ -64,10 +64,10 @@ def rehearse(preset: str, stage: str, backend: MilesBackend, run_dir: str, *, ar
     """Rehearse `stage` of this run's Miles job. `backend`: the run's Miles backend (flows/params.py
     PipelineParams.backend; `rehearse` is refused on other presets): its overrides, and miles_dir/megatron_dir, the
     checkouts on this host (None: $V4RL_*_DIR or the vendored pins).
-    Every wait inside has its own timeout (engines/rehearsal/run.py), and every process it starts is stopped."""
+    Every wait inside has its own timeout (engines/upstream/rehearsal/run.py), and every process it starts is stopped."""
     from engines.presets.runs import resolve
-    from engines.rehearsal.run import STAGES, RehearsalError, RehearsalRequest, resolve_trees
-    from engines.rehearsal.run import rehearse as run_rehearsal
+    from engines.upstream.rehearsal.run import STAGES, RehearsalError, RehearsalRequest, resolve_trees
+    from engines.upstream.rehearsal.run import rehearse as run_rehearsal
 
     log = get_run_logger()
     work, report_json = Path(run_dir) / "rehearsal", Path(run_dir) / "rehearsal.json"

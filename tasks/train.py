@@ -2,7 +2,7 @@
 
 The run's backend trains it (engines/backends `Backend.train`), the engine evaluating itself every eval_interval
 steps and checkpointing every save_interval, as Miles does: the embedded trainer (engines/train/run.py) on
-tiny-cpu, one Miles job on the cluster (engines/train/miles/pipeline.py `train_run`). Its evaluations land in
+tiny-cpu, one Miles job on the cluster (engines/miles/pipeline.py `train_run`). Its evaluations land in
 <run_dir>/eval/ while it runs; the flow publishes each through an evaluate subflow as it lands
 (flows/rl_pipeline.py submits this task to its thread pool and watches eval/).
 
@@ -12,7 +12,7 @@ is counted twice and no evaluation is lost or duplicated. Each failed attempt sa
 <run_dir>/events.jsonl (the report lists events). Errors a retry cannot fix (ValueError, TypeError, an exception
 with `retryable = False`: a checkpoint load that skips a parameter, a stop on cancel) are not retried.
 
-Cancel: the flow asks the training to stop (engines/train/stopping.py) and this task stops the Ray job or the
+Cancel: the flow asks the training to stop (engines/runs/stopping.py) and this task stops the Ray job or the
 trainer's Ray actors. The cache key is the run's fingerprint (which includes steps), not the task run id: a new
 flow run of a finished run skips training, and one after a crash resumes it.
 """
@@ -54,8 +54,8 @@ def _first_line(exc: BaseException) -> str:
 def train(backend: Backend, fingerprint: str, progress_id: str | None = None) -> dict:
     """Train the whole run (resuming it), the engine evaluating and checkpointing itself; see the module doc.
     `backend`: the run's engines (flows/params.py PipelineParams.backend)."""
-    from engines.train.guards import append_event
-    from engines.train.stopping import stop_request
+    from engines.runs.guards import append_event
+    from engines.runs.stopping import stop_request
 
     log = get_run_logger()
     run_dir = backend.run_dir
@@ -79,7 +79,7 @@ def train(backend: Backend, fingerprint: str, progress_id: str | None = None) ->
                       else "not retried"))
         from pathlib import Path
 
-        from engines.train.runlog import RunLog
+        from engines.runs.runlog import RunLog
 
         rows = RunLog(run_dir).metrics()
         append_event(Path(run_dir), {"step": rows[-1]["step"] if rows else 0, "action": "retry" if retried else "stop",

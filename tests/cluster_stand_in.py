@@ -49,7 +49,7 @@ if sys.argv[1:3] == ["job", "stop"]:  # ray job stop <id>: Ray stops the job's d
     sys.exit(0)
 
 print("Job 'raysubmit_%d' submitted successfully" % os.getpid(), flush=True)  # before the slow imports, as Ray
-from engines.train.miles.jobs import flag_values
+from engines.miles.jobs import flag_values
 from tests.test_miles_readback import eval_line, rollout_side_perf, save_rollout, trainer_lines
 
 argv = sys.argv[sys.argv.index("--") + 3:]  # after `-- python3 <miles>/train.py`

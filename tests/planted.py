@@ -171,9 +171,9 @@ class _FillingFile:
 
 
 def full_disk_open(step: int, limit: int = 1 << 20):
-    """An `open` for engines/train/checkpointing.py under which the save of `step` hits a full disk after `limit`
+    """An `open` for engines/runs/checkpointing.py under which the save of `step` hits a full disk after `limit`
     bytes of trainer_state.pt (the torch_dist files of that iteration are written before it)."""
-    from engines.train.checkpointing import PARTIAL_INFIX, TRAINER_STATE
+    from engines.runs.checkpointing import PARTIAL_INFIX, TRAINER_STATE
 
     def faulty_open(path, mode="r", *args, **kwargs):
         f = open(path, mode, *args, **kwargs)
@@ -187,7 +187,7 @@ def full_disk_open(step: int, limit: int = 1 << 20):
 
 def plant_full_disk(monkeypatch: pytest.MonkeyPatch, step: int, limit: int = 1 << 20) -> None:
     """In this process: the checkpoint save of `step` fails with ENOSPC after `limit` bytes of trainer_state.pt."""
-    from engines.train import checkpointing
+    from engines.runs import checkpointing
 
     monkeypatch.setattr(checkpointing, "open", full_disk_open(step, limit), raising=False)
 
@@ -200,7 +200,7 @@ def plant_in_children(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
 
 
 def apply_child_plant(spec: str, checkpointing) -> None:
-    """Called by tests/plant/sitecustomize.py once engines.train.checkpointing is imported in a child."""
+    """Called by tests/plant/sitecustomize.py once engines.runs.checkpointing is imported in a child."""
     name, _, args = spec.partition(":")
     step, _, limit = args.partition(":")
     if name != "full_disk" or not step.isdigit() or (limit and not limit.isdigit()):

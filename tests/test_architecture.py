@@ -89,8 +89,8 @@ def test_packages_import_each_other_without_cycles():
 
 
 def test_engines_packages_import_each_other_without_cycles():
-    """engines/<package> as one node each, subpackages folded in (engines.train.miles is engines.train): a cycle
-    there (issue 40: engines.align scored with engines.train's trainer while engines.train.miles ran align's gate)
+    """engines/<package> as one node each, subpackages folded in (engines.miles is engines.train): a cycle
+    there (issue 40: engines.align scored with engines.train's trainer while engines.miles ran align's gate)
     hides below the finer graph, where a subpackage counts as its own node."""
     edges: dict[str, dict[str, set[str]]] = {}
     for src, targets in _package_edges().items():

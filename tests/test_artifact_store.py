@@ -472,7 +472,7 @@ def test_upload_task_with_secret_block(tmp_path, s3_bucket, s3_proxy, monkeypatc
 def test_the_run_directory_lock_is_not_an_artifact(tmp_path):
     """The lock a running process holds on its run directory names that process; it is skipped, not uploaded."""
     from engines.artifact_store import walk_run_dir
-    from engines.train.run_lock import hold_run_dir
+    from engines.runs.run_lock import hold_run_dir
 
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "ckpt").mkdir()

@@ -191,7 +191,7 @@ def test_training_run_reports_dropped_rows_and_grader_errors(tiny_base, tmp_path
     """run_training end to end (in-process engines, one step): the data file's drop counts and the grader's
     failures reach metrics.jsonl, events.jsonl and report.md."""
     import rl.rewards
-    from engines.train.report import write_report
+    from engines.runs.report import write_report
     from engines.train.run import TrainRunConfig, run_training
 
     rows = [{"prompt": PROMPT.format(a=a, b=b), "label": str(a + b)} for a, b in ((12, 30), (25, 17), (40, 41))]
@@ -311,7 +311,7 @@ def test_a_broken_data_file_fails_the_flow_once_with_its_one_line(prefect_server
 def training_checkpoint(tmp_path_factory, tiny_checkpoint):
     """A training checkpoint root with iterations 1 and 2 of the random tiny model; read-only."""
     from checkpoints.hf import load_hf_checkpoint
-    from engines.train.checkpointing import save_training_checkpoint
+    from engines.runs.checkpointing import save_training_checkpoint
 
     cfg, native = load_hf_checkpoint(tiny_checkpoint)
     root = tmp_path_factory.mktemp("train_ckpt") / "checkpoints"
@@ -368,7 +368,7 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 def test_corrupted_training_checkpoint_names_the_file_and_how_to_resume(case, training_checkpoint, tmp_path):
     from checkpoints.torch_dist import TorchDistError
-    from engines.train.checkpointing import latest_step, load_training_checkpoint
+    from engines.runs.checkpointing import latest_step, load_training_checkpoint
 
     source, cfg = training_checkpoint
     root = tmp_path / "checkpoints"

@@ -183,7 +183,7 @@ def test_the_suggested_commands_accept_every_spelling(tmp_path):
     assert params.training_fingerprint() != PipelineParams(preset="dsv4-flash-mi355x", hf_checkpoint="/data/x",
                                                            runs_root=str(tmp_path)).training_fingerprint()
     from engines.presets.runs import resolve
-    from engines.train.miles.train_args import rollout_args
+    from engines.miles.train_args import rollout_args
 
     argv = rollout_args(resolve(params.preset, params.miles_overrides())[0], params.miles_job())
     assert argv[argv.index("--input-key") + 1] == "question" and argv[argv.index("--label-key") + 1] == "answer"

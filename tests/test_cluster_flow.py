@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.train.miles.jobs import flag_values
+from engines.miles.jobs import flag_values
 from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls, replace_cluster_only_steps
 from tests.prefect_server import flow_run_children
 

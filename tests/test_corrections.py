@@ -203,10 +203,10 @@ def test_flow_parameters_reach_the_trainer_and_the_miles_job():
 
 
 def test_each_mode_becomes_miles_flags_on_a_cluster_preset():
-    """engines/train/miles/train_args.py correction_args: the flags Miles' own code reads for each mode (parsed by
+    """engines/miles/train_args.py correction_args: the flags Miles' own code reads for each mode (parsed by
     Miles' parser in tests/conformance/test_miles_corrections_cluster.py); MIS modes refused in one line."""
     from engines.presets.runs import SEED_RUN, apply_overrides
-    from engines.train.miles.train_args import ICEPOP_FUNCTION, correction_args, misc_args
+    from engines.miles.train_args import ICEPOP_FUNCTION, correction_args, misc_args
 
     def flags(**setting):
         return correction_args(apply_overrides(SEED_RUN, {"rollout_correction": setting})[0])

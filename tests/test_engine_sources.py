@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engines.upstream import sources as engine_sources
+from engines.rollout.sglang_pin import sglang_version
 from engines.upstream.sources import EngineSourceMissing, engine_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_sglang_pin_is_the_cluster_extra():
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cluster"]
-    assert f"sglang=={engine_sources.sglang_version()}" in extra
+    assert f"sglang=={sglang_version()}" in extra
 
 
 STUB_PROBE = """

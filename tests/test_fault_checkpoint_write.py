@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.train import checkpointing
-from engines.train.checkpointing import (ITERATION_FILE, TRAINER_STATE, CheckpointWriteError, latest_step,
+from engines.runs import checkpointing
+from engines.runs.checkpointing import (ITERATION_FILE, TRAINER_STATE, CheckpointWriteError, latest_step,
                                          load_training_checkpoint, save_training_checkpoint)
 from tests.planted import plant_full_disk, plant_in_children
 from tests.test_kill_resume import _assert_resumed_like, _Child, _resume, _rows, reference_run  # noqa: F401

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.train.checkpointing import latest_step
+from engines.runs.checkpointing import latest_step
 from tests.test_kill_resume import MARK, _marked_pids
 
 pytestmark = pytest.mark.faults

@@ -1,4 +1,4 @@
-"""The CPU stand-in of TE's FusedAdam (engines/train/miles/probes/standins/transformer_engine/pytorch/optimizers.py):
+"""The CPU stand-in of TE's FusedAdam (engines/upstream/probes/standins/transformer_engine/pytorch/optimizers.py):
 the kernel's update (AdamW and L2 mode) equals torch's AdamW / Adam step for step, its state is TE's (moments per
 parameter, `step` in the param group, absent before the first step), and it survives a state-dict round trip.
 
@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from engines.train.miles.model_check import STANDINS
+from engines.upstream.miles_model_check import STANDINS
 
 
 def _fused_adam():

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung
+from engines.runs.guards import MismatchBudget, MismatchBudgetExceeded, StepHung
 from engines.train.run import TrainRunConfig, run_training
 from rl.loop import LoopConfig
 
@@ -37,7 +37,7 @@ def test_stop_action_fails_the_run_and_records_the_event(tiny_base, tmp_path):
                                        mismatch_action="stop"), log=lambda m: None)
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["action"]) for e in events] == [(2, "stop")]
-    from engines.train.report import write_report
+    from engines.runs.report import write_report
 
     assert "step 2: train/rollout" in write_report(tmp_path)["markdown"]
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.train.checkpointing import latest_step
-from engines.train.run_lock import LOCK_NAME, RunDirBusy, hold_run_dir
+from engines.runs.checkpointing import latest_step
+from engines.runs.run_lock import LOCK_NAME, RunDirBusy, hold_run_dir
 from tests.planted import PLANT_DIR, PLANT_ENV
 
 pytestmark = pytest.mark.faults
@@ -144,7 +144,7 @@ def test_ctrl_c_during_train_says_what_was_kept_a_second_run_is_refused_and_the_
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from engines.train.run_lock import hold_run_dir
+    from engines.runs.run_lock import hold_run_dir
     with hold_run_dir(sys.argv[1]):
         print("held", flush=True)
         time.sleep(600)

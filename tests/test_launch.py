@@ -2,7 +2,7 @@
 
 The seed (seeds/dsv4-flash-rl-mi355x.md, "Launch commands") is copied below verbatim; every export, every
 `ray start`, every launcher flag and every --extra-args / --extra-env-vars entry is parsed out of it and
-checked against what engines.train.miles.launch and engines.train.miles produce. The seed's launcher command only parses on
+checked against what engines.miles.launch and engines.miles produce. The seed's launcher command only parses on
 Miles' PR-head a8684732f (`launcher_argv`, kept as a documented extra); the job v4rl submits is the `train.py`
 job (tests/test_miles_job.py), and the launch plan shows that job. NUM_GPUS = 0.
 
@@ -17,9 +17,9 @@ import shlex
 
 import pytest
 
-from engines.train.miles.launch import SEED_RUN, Site, get_run_preset, launch_plan
+from engines.miles.launch import SEED_RUN, Site, get_run_preset, launch_plan
 from engines.profiles import get_profile
-from engines.train.miles import MilesJob, build_command, launcher_argv, parse_flags
+from engines.miles import MilesJob, build_command, launcher_argv, parse_flags
 
 SEED_LAUNCH = r"""
 ray start --head --node-ip-address=$HEAD_IP --port=6379 --num-gpus=8

@@ -14,7 +14,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from engines.train.miles.launch import preflight_plan, resolve
+from engines.miles.launch import preflight_plan, resolve
 from engines.layout import (CSA, HCA, ClusterSpec, InfeasibleLayout, LayoutInput, ModelShape, ParallelSpec,
                             balanced_stages, dsv4_flash_shape, kv_bytes_per_token, plan_layout, rank_layouts,
                             tiny_cpu_shape, total_params)
@@ -173,7 +173,7 @@ def test_balanced_stages_and_ranking():
 
 
 def test_planner_imports_no_torch():
-    code = "import sys, engines.train.miles.launch, v4rl.cmd_plan; sys.exit('torch' in sys.modules)"
+    code = "import sys, engines.miles.launch, v4rl.cmd_plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engines.presets.runs import SEED_RUN, TINY_RUN, apply_overrides
-from engines.train.miles.train_args import grpo_args
+from engines.miles.train_args import grpo_args
 from engines.train.run import TrainRunConfig
 from rl.grpo import GRPOConfig
 from rl.loss_setting import DEFAULT_LOSS_AGGREGATION
@@ -39,7 +39,7 @@ def test_every_surface_defaults_to_the_cluster_jobs_aggregation():
 def test_a_run_from_before_the_setting_resumes_only_as_token_mean(tmp_path):
     """Such a run trained token-mean and its config.json has no loss_aggregation: token-mean is left out of
     config.json, so `--loss-aggregation token-mean` resumes it and the new default is refused naming the field."""
-    from engines.train.runlog import RunLog
+    from engines.runs.runlog import RunLog
 
     old = {k: v for k, v in TrainRunConfig().to_dict().items() if k != "loss_aggregation"}
     runlog = RunLog(tmp_path)

@@ -1,4 +1,4 @@
-"""Metric sinks (engines/train/sinks.py) with the real packages: TensorBoard event files read back with
+"""Metric sinks (engines/runs/sinks.py) with the real packages: TensorBoard event files read back with
 TensorBoard's own EventAccumulator, W&B offline runs read back from their .wandb record logs. Rows go in
 through RunLog, as in training; a resumed or rolled-back run leaves one value per step in TensorBoard and
 sends W&B no step twice; no wandb-core process outlives a run; bad configuration names field and fix; and
@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engines.train.runlog import RunLog
-from engines.train.sinks import MetricSinkUnavailable, open_sinks, wandb_run_id
+from engines.runs.runlog import RunLog
+from engines.runs.sinks import MetricSinkUnavailable, open_sinks, wandb_run_id
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.train.miles import (TRACKER, MilesJob, MilesRunError, MilesTimeout, find_resume, launcher_argv,
+from engines.miles import (TRACKER, MilesJob, MilesRunError, MilesTimeout, find_resume, launcher_argv,
                                  list_checkpoints, parse_metric_line, prepare_resume, read_tracker, run_job,
                                  run_miles, to_v4rl_metrics)
 
@@ -61,7 +61,7 @@ def test_missing_tracker_and_missing_data_cursor(tmp_path):
 
 
 def test_fresh_start_and_converted_release_checkpoint(tmp_path):
-    from engines.train.miles import MilesCheckpointError
+    from engines.miles import MilesCheckpointError
 
     assert find_resume(tmp_path / "absent").iteration is None
     (tmp_path / TRACKER).write_text("release")
@@ -73,9 +73,9 @@ def test_fresh_start_and_converted_release_checkpoint(tmp_path):
 
 
 def test_resume_flags_reach_the_job_and_the_seed_launcher_command():
-    from engines.train.miles.launch import SEED_RUN
+    from engines.miles.launch import SEED_RUN
     from engines.profiles import get_profile
-    from engines.train.miles import Resume, build_command
+    from engines.miles import Resume, build_command
 
     job = MilesJob(run_id="r", hf_checkpoint="/hf", ref_load="/td", save_dir="/s", extra_args=("--lr", "2e-6"))
     resume = Resume(19, 20, extra_args=("--no-load-optim",))

@@ -53,8 +53,8 @@ def _steps(run_dir: str) -> list[int]:
 
 
 def test_one_job_resumes_after_a_killed_job_on_the_cluster(cluster):
-    from engines.train.miles import MilesTimeout, find_resume
-    from engines.train.miles.pipeline import evaluate_step, train_run
+    from engines.miles import MilesTimeout, find_resume
+    from engines.miles.pipeline import evaluate_step, train_run
 
     impatient = dataclasses.replace(cluster, idle_timeout_s=1.0)
     with pytest.raises(MilesTimeout):  # killed (and its Ray job stopped) long before rollout 4 is saved

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from engines.miles import pins
 from engines.upstream import sources as engine_sources
 from engines.presets.runs import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN, resolve
-from engines.train.miles import MilesJob, build_command
-from engines.train.miles.generation import MilesGenerationError, detect_generation, megatron_names_for
-from engines.train.miles.train_args import pipeline_layout
+from engines.miles import MilesJob, build_command
+from engines.miles.generation import MilesGenerationError, detect_generation, megatron_names_for
+from engines.miles.train_args import pipeline_layout
 
 NUM_GPUS = 0
 JOB = MilesJob(run_id="r1", hf_checkpoint="${HF}", ref_load="/ckpt/td", save_dir="/ckpt/save")
@@ -40,12 +41,12 @@ def _vendor(pin) -> Path:
 
 
 def test_generation_is_read_from_the_vendored_trees():
-    first = detect_generation(_vendor(engine_sources.MILES))
+    first = detect_generation(_vendor(pins.MILES))
     assert (first.generation, first.megatron_names, first.dsv4_impls) == (1, "plugin", ())
-    second = detect_generation(_vendor(engine_sources.MILES_GEN2))
+    second = detect_generation(_vendor(pins.MILES_GEN2))
     assert (second.generation, second.megatron_names, second.dsv4_impls) == (2, "megatron", ("miles", "megatron"))
     assert "assert_checkpoint_is_current" in second.evidence and "linear_q_down_proj" in second.evidence
-    assert megatron_names_for(_vendor(engine_sources.MILES_GEN2))[0] == "megatron"
+    assert megatron_names_for(_vendor(pins.MILES_GEN2))[0] == "megatron"
 
 
 def test_detection_errors_name_the_directory_and_the_fix(tmp_path):
@@ -156,13 +157,13 @@ def test_plan_builds_the_job_for_the_generation_asked(monkeypatch):
 
 
 # ------------------------------------------------------------------- the model checks' --dsv4-impl (issue 25)
-GEN1 = __import__("engines.train.miles.generation", fromlist=["MilesGeneration"]).MilesGeneration(
+GEN1 = __import__("engines.miles.generation", fromlist=["MilesGeneration"]).MilesGeneration(
     1, "plugin", (), "deepseek_v4.py: wq_a")
 GEN2 = dataclasses.replace(GEN1, generation=2, megatron_names="megatron", dsv4_impls=("miles", "megatron"))
 
 
 def test_a_generation_1_checkout_gets_no_dsv4_impl_flag_even_with_the_presets_default():
-    from engines.train.miles.generation import dsv4_impl_args
+    from engines.miles.generation import dsv4_impl_args
 
     assert SEED_RUN.miles.dsv4_impl == "miles"  # what the model-key check used to pass through to Miles
     assert dsv4_impl_args(GEN1, SEED_RUN.miles.dsv4_impl) == [] and dsv4_impl_args(GEN1) == []
@@ -171,7 +172,7 @@ def test_a_generation_1_checkout_gets_no_dsv4_impl_flag_even_with_the_presets_de
 
 
 def test_a_generation_2_checkout_gets_its_impl_and_megatrons_cpu_kernels():
-    from engines.train.miles.generation import dsv4_impl_args
+    from engines.miles.generation import dsv4_impl_args
 
     assert dsv4_impl_args(GEN2) == ["--dsv4-impl", "miles"] == dsv4_impl_args(GEN2, "miles")
     assert dsv4_impl_args(GEN2, "megatron") == ["--dsv4-impl", "megatron", "--dsa-kernel-backend", "none"]
@@ -187,7 +188,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_megatron_fit_names_the_first_module_level_import_the_megatron_lacks(tmp_path):
-    from engines.train.miles.megatron_fit import megatron_misfit
+    from engines.upstream.megatron_fit import megatron_misfit
 
     miles = _tree(tmp_path / "miles", {
         "train.py": "from megatron.core import mpu\n",

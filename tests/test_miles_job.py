@@ -1,4 +1,4 @@
-"""The Miles job v4rl builds (engines/train/miles: model_args, train_args, env, command, submit) on CPU.
+"""The Miles job v4rl builds (engines/miles: model_args, train_args, env, command, submit) on CPU.
 
 What is pinned: model flags follow config.json (and fail naming a missing key), every layout the planner
 accepts gets a complete argv with its parallel sizes, the runtime env carries the site network to every rank
@@ -23,13 +23,13 @@ import pytest
 
 from engines.presets.flash import flash_config
 from engines.layout import InfeasibleLayout, rank_layouts
-from engines.train.miles.launch import launch_plan
+from engines.miles.launch import launch_plan
 from engines.profiles import get_profile
 from engines.presets.runs import SEED_RUN, resolve
 from engines.profiles.site import Site, SiteError
-from engines.train.miles import (MilesJob, ModelConfigError, build_command, model_args, parse_flags, prepare_job,
+from engines.miles import (MilesJob, ModelConfigError, build_command, model_args, parse_flags, prepare_job,
                                  run_job, runtime_env_json, submit_argv)
-from engines.train.miles.model_args import num
+from engines.miles.model_args import num
 
 SITE = Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="ens50f0",
             ib_hca="rdma0,rdma1")
@@ -254,7 +254,7 @@ def test_launch_plan_shows_only_what_the_submitted_argv_holds():
 
 # --------------------------------------------------------------------------- preflight helpers and the CLI
 def test_preflight_names_values_miles_resolved_differently():
-    from engines.train.miles.preflight import compare_resolved, expected_values
+    from engines.upstream.miles_preflight import compare_resolved, expected_values
 
     preset, inp = resolve(SEED_RUN.name)
     want = expected_values(preset, _job(), inp.cluster)
@@ -267,7 +267,7 @@ def test_preflight_names_values_miles_resolved_differently():
 
 
 def test_preflight_names_a_missing_dataset_file(tmp_path):
-    from engines.train.miles.preflight import local_problems
+    from engines.upstream.miles_preflight import local_problems
 
     (tmp_path / "train.jsonl").write_text("{}\n")
     preset, _ = resolve(SEED_RUN.name, {"prompt_data": str(tmp_path / "train.jsonl"),
@@ -300,8 +300,8 @@ def test_plan_json_carries_the_miles_job_and_the_pin():
 def test_plain_plan_imports_no_engine_check():
     import subprocess
 
-    code = ("import sys, v4rl.cmd_plan, v4rl.plan_miles, engines.train.miles.launch; "
-            "bad = [m for m in ('torch', 'engines.train.miles.preflight', 'engines.train.miles.launcher_compare') "
+    code = ("import sys, v4rl.cmd_plan, v4rl.plan_miles, engines.miles.launch; "
+            "bad = [m for m in ('torch', 'engines.upstream.miles_preflight', 'engines.upstream.miles_launcher_compare') "
             "if m in sys.modules]; sys.exit(str(bad) if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

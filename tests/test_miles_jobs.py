@@ -1,4 +1,4 @@
-"""The Miles jobs v4rl derives from the training job's argv (engines/train/miles/jobs.py): the run's one
+"""The Miles jobs v4rl derives from the training job's argv (engines/miles/jobs.py): the run's one
 training job, Miles' eval-only run, and the cluster alignment gate's train-only debug run. Miles' parse_args on these argvs
 is the preflight's conformance check; here the token edits. NUM_GPUS = 0; well under a second.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.train.miles.jobs import align_argv, eval_only_argv, flag_values, run_argv, with_flags, without_flags
+from engines.miles.jobs import align_argv, eval_only_argv, flag_values, run_argv, with_flags, without_flags
 
 TRAIN = ["--actor-num-nodes", "2", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
          "--num-rollout", "200", "--num-steps-per-rollout", "1", "--use-rollout-routing-replay", "--use-tis",

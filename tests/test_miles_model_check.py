@@ -1,4 +1,4 @@
-"""engines/train/miles/model_check.py without Miles: the key comparison and Megatron's vocab padding rule (the
+"""engines/upstream/miles_model_check.py without Miles: the key comparison and Megatron's vocab padding rule (the
 probe runs of Miles' own model are in tests/conformance/test_miles_model*.py).
 
     .venv/bin/python -m pytest tests/test_miles_model_check.py -q
@@ -6,7 +6,7 @@ probe runs of Miles' own model are in tests/conformance/test_miles_model*.py).
 
 from __future__ import annotations
 
-from engines.train.miles.model_check import compare_keys, padded_vocab
+from engines.upstream.miles_model_check import compare_keys, padded_vocab
 
 MODEL = {"decoder.layers.0.self_attention.wq_a.weight": [[8, 4], "bfloat16"],
          "decoder.layers.0.mlp.router.tid2eid": [[10, 2], "int32"]}
@@ -50,7 +50,7 @@ def test_megatron_vocab_padding():
 
 def test_the_job_passes_a_vocab_divisor_only_where_megatron_would_pad():
     from engines.presets.runs import get_run_preset
-    from engines.train.miles.train_args import padded_vocab, vocab_args, vocab_divisor
+    from engines.miles.train_args import padded_vocab, vocab_args, vocab_divisor
 
     assert vocab_divisor(129280, 4) == 64 and vocab_divisor(129280, 8) == 32 and vocab_divisor(500, 1) == 4
     for tp in (1, 2, 4, 8):

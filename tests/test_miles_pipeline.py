@@ -1,4 +1,4 @@
-"""The cluster path's training (engines/train/miles/pipeline.py `train_run`) wired end to end on CPU from the flow's
+"""The cluster path's training (engines/miles/pipeline.py `train_run`) wired end to end on CPU from the flow's
 parameters (flows/rl_pipeline.py `_miles`): the real job builder (prepare_job, submit_argv), the derived job, the
 runner and the recorder, against the file-level stand-in for `ray job submit` (tests/cluster_stand_in.py: it
 behaves as Miles' train.py does: start at the tracker + 1, evaluate before training and every --eval-interval,
@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from engines.profiles.site import Site
-from engines.train.miles import MilesRunError
-from engines.train.miles.checkpoints import list_checkpoints
-from engines.train.miles.jobs import flag_values
-from engines.train.miles.pipeline import LIVE_JOB, ClusterRun, evaluate_step, train_run
+from engines.miles import MilesRunError
+from engines.miles.checkpoints import list_checkpoints
+from engines.miles.jobs import flag_values
+from engines.miles.pipeline import LIVE_JOB, ClusterRun, evaluate_step, train_run
 from tests.cluster_stand_in import cluster_params, install_stand_in, read_calls
 
 
@@ -94,7 +94,7 @@ def test_killed_job_is_resubmitted_from_the_last_checkpoint_records_once(cluster
 
 
 def test_load_that_skips_a_parameter_fails_at_once_naming_it(cluster, tmp_path, monkeypatch):
-    from engines.train.miles.runner import MilesLoadSkipped
+    from engines.miles.runner import MilesLoadSkipped
 
     monkeypatch.setenv("STAND_IN_SKIP_KEY", "decoder.layers.3.self_attention.wq_a.weight")
     monkeypatch.setenv("STAND_IN_ROLLOUT_S", "5")  # the job would run for minutes
@@ -108,7 +108,7 @@ def test_load_that_skips_a_parameter_fails_at_once_naming_it(cluster, tmp_path, 
 
 
 def test_silent_job_is_killed_after_the_idle_timeout_and_its_ray_job_stopped(cluster, tmp_path, monkeypatch):
-    from engines.train.miles.runner import MilesTimeout
+    from engines.miles.runner import MilesTimeout
 
     monkeypatch.setenv("STAND_IN_HANG_AT", "3")
     with pytest.raises(MilesTimeout, match="printed nothing for 40s") as e:  # above the stand-in's imports, loaded
@@ -120,8 +120,8 @@ def test_silent_job_is_killed_after_the_idle_timeout_and_its_ray_job_stopped(clu
 
 
 def test_stop_request_stops_the_ray_job(cluster, tmp_path, monkeypatch):
-    from engines.train.miles.runner import MilesStopped
-    from engines.train.stopping import StopRequest
+    from engines.miles.runner import MilesStopped
+    from engines.runs.stopping import StopRequest
 
     monkeypatch.setenv("STAND_IN_ROLLOUT_S", "0.5")
     stop, raised = StopRequest(), []
@@ -149,7 +149,7 @@ def test_stop_request_stops_the_ray_job(cluster, tmp_path, monkeypatch):
 
 def test_step_zero_by_miles_eval_only_job_and_what_cannot_run(cluster, tmp_path):
     from engines.profiles.site import SiteError
-    from engines.train.miles import MilesResultsError
+    from engines.miles import MilesResultsError
 
     assert evaluate_step(cluster, 0)["pass@1"] == pytest.approx(1 / 8)  # a user's evaluation outside a run
     first = _submits(tmp_path)[0]["argv"]

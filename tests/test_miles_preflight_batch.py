@@ -1,4 +1,4 @@
-"""The preflight's batched probe (engines/train/miles/preflight.py check_requests, probes/parse_args_probe.py),
+"""The preflight's batched probe (engines/upstream/miles_preflight.py check_requests, probes/parse_args_probe.py),
 against a stand-in Miles + Megatron + torch written to tmp_path: each argv of one probe process gets its own
 answer, what one parse sets in os.environ does not reach the next, a refused or failing argv does not spoil the
 others, and a process that dies on an argv answers that argv with its exit while the rest go to a fresh one.
@@ -64,9 +64,9 @@ def _stand_ins(root):
 def test_each_argv_of_one_probe_process_is_answered_on_its_own(tmp_path, monkeypatch):
     from engines.presets.runs import SEED_RUN, layout_input
     from engines.profiles import get_profile
-    from engines.train.miles import MilesJob
-    from engines.train.miles.command import MilesCommand
-    from engines.train.miles import preflight
+    from engines.miles import MilesJob
+    from engines.miles.command import MilesCommand
+    from engines.miles import preflight
     from engines.upstream import sources
 
     processes = []

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.train.miles import (TRACKER, MilesCheckpointError, MilesRecorder, MilesResultsError, data_cursor_path,
+from engines.miles import (TRACKER, MilesCheckpointError, MilesRecorder, MilesResultsError, data_cursor_path,
                                  eval_datasets, eval_result, find_resume, parse_metric_line, prepare_resume,
                                  read_tracker, record_lines, record_log)
 
@@ -188,7 +188,7 @@ def run_lines(rollouts: range, *, eval_every: int, eval_before: bool, reward0: f
 
 
 def test_recorder_writes_the_tiny_cpu_run_directory(tmp_path):
-    from engines.train.report import write_report
+    from engines.runs.report import write_report
 
     rec = record_lines(run_lines(range(0, 4), eval_every=2, eval_before=True), tmp_path,
                        eval_problems={"aime": 2}, n_samples_per_eval_prompt=4)

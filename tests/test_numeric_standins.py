@@ -1,4 +1,4 @@
-"""The GPU kernels' CPU stand-ins (engines/train/miles/probes/numeric_standins.py): every backward interface Miles'
+"""The GPU kernels' CPU stand-ins (engines/upstream/probes/numeric_standins.py): every backward interface Miles'
 autograd Functions call is the gradient of its forward (torch.autograd.gradcheck on tiny double inputs), and the
 forwards are the softmax-with-sink / indexer math written out densely here.
 
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from engines.train.miles.model_check import NUMERIC_STANDINS
+from engines.upstream.miles_model_check import NUMERIC_STANDINS
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def _training_held_until_published(monkeypatch) -> list[int]:
     wait ran out (the flow did not publish them while training ran)."""
     from prefect.context import TaskRunContext
 
-    from engines.train.runlog import RunLog
+    from engines.runs.runlog import RunLog
 
     unpublished: list[int] = []
     write_eval = RunLog.write_eval

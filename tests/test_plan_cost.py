@@ -1,4 +1,4 @@
-"""`v4rl plan`'s storage cost of a Miles job start and a save (engines/train/miles/costs.py, v4rl/plan_cost.py):
+"""`v4rl plan`'s storage cost of a Miles job start and a save (engines/miles/costs.py, v4rl/plan_cost.py):
 the byte counts follow from the model's exact parameter count and the layout, and the run's totals from the job
 shape (one job per segment before, one job per run now). Well under a second per test.
 
@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from engines.layout.shape import dsv4_flash_shape, total_params
-from engines.train.miles.costs import job_costs, run_costs
+from engines.miles.costs import job_costs, run_costs
 
 
 def _cli():

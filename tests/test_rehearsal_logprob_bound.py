@@ -1,11 +1,11 @@
-"""The rehearsal's bound on Miles' |Δlogprob| (engines/rehearsal/logprob_noise.py): measured bf16 noise on the
+"""The rehearsal's bound on Miles' |Δlogprob| (engines/upstream/rehearsal/logprob_noise.py): measured bf16 noise on the
 tiny Miles-legal model, and the check a train or full stage applies to Miles' logged values."""
 
 import pytest
 
-from engines.rehearsal.logprob_noise import NOISE_FACTOR, LogprobNoise, logprob_diff_problem, measure_logprob_noise
-from engines.rehearsal.run import rehearsal_prompts
-from engines.rehearsal.tiny_model import make_tiny_checkpoint
+from engines.upstream.rehearsal.logprob_noise import NOISE_FACTOR, LogprobNoise, logprob_diff_problem, measure_logprob_noise
+from engines.upstream.rehearsal.run import rehearsal_prompts
+from engines.upstream.rehearsal.tiny_model import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

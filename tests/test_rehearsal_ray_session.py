@@ -1,4 +1,4 @@
-"""The rehearsal's own Ray head (engines/rehearsal/ray_session.py) takes a driver whatever the machine's ~/.ray holds.
+"""The rehearsal's own Ray head (engines/upstream/rehearsal/ray_session.py) takes a driver whatever the machine's ~/.ray holds.
 
     .venv/bin/python -m pytest tests/test_rehearsal_ray_session.py -q
 """
@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
-from engines.rehearsal.ray_session import RaySession
-from engines.rehearsal.run import _ray_temp_dir
+from engines.upstream.rehearsal.ray_session import RaySession
+from engines.upstream.rehearsal.run import _ray_temp_dir
 from engines.train.cluster import LOCAL_RAY_ENV
 from tests.prefect_server import free_port
 

@@ -7,8 +7,8 @@ it showed, or which stage failed and why. Built from a report as the rehearsal r
 
 from __future__ import annotations
 
-from engines.rehearsal.job import Substitution, substitution_table
-from engines.rehearsal.run import RehearsalReport
+from engines.upstream.rehearsal.job import Substitution, substitution_table
+from engines.upstream.rehearsal.run import RehearsalReport
 from v4rl.cmd_rehearse import verdict
 
 WHY = ("the rehearsal's actor runs at layout 1, so Miles' --debug-rollout-only sizes its idle actor from "

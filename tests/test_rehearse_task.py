@@ -130,8 +130,8 @@ def test_failure_line_names_the_stage_and_the_message():
 
 
 def test_the_artifact_holds_stages_metrics_evals_and_substitutions():
-    from engines.rehearsal.job import Substitution
-    from engines.rehearsal.run import RehearsalReport
+    from engines.upstream.rehearsal.job import Substitution
+    from engines.upstream.rehearsal.run import RehearsalReport
     from tasks.rehearse import markdown
 
     report = RehearsalReport(generation=2, miles_dir="/src/miles", work_dir="/runs/r/rehearsal",

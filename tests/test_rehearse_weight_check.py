@@ -1,4 +1,4 @@
-"""The weight check of `v4rl rehearse --stage full` (engines/rehearsal/weight_check.py), without Miles: a recorded
+"""The weight check of `v4rl rehearse --stage full` (engines/upstream/rehearsal/weight_check.py), without Miles: a recorded
 broadcast whose export equals what the engine holds passes; one tensor changed in the export fails naming it.
 
     .venv/bin/python -m pytest tests/test_rehearse_weight_check.py -q
@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
-from engines.rehearsal.weight_check import check_broadcasts, export_checksums, first_differing, \
+from engines.upstream.rehearsal.weight_check import check_broadcasts, export_checksums, first_differing, \
     first_differing_tensor
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from engines.rehearsal.tiny_model import make_tiny_checkpoint
+    from engines.upstream.rehearsal.tiny_model import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
 

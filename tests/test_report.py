@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import engines.train.report as report
+import engines.runs.report as report
 from rl.passk import mean_pass_at_k, pass_at_k_stderr
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ import torch
 
 from checkpoints.hf import encode_tensor
 from checkpoints.quant import tensor_checksum
-from engines.upstream.sources import sglang_version
+from engines.rollout.sglang_pin import sglang_version
 from engines.rollout.launcher import (DistributedWeightSync, SGLangServerSpec, bucket_metadata, buckets,
                                       build_launch_command, check_sglang_version, init_weight_sync_group, launch_env,
                                       sglang_named_tensors, wire_view)

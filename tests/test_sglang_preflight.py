@@ -1,5 +1,5 @@
 """The rl-pipeline preflight's and `v4rl plan`'s handling of the SGLang model check
-(engines/checks/sglang_preflight.py), with the check's result given: a run whose own mode does not round-trip is refused naming the parameter and the
+(engines/upstream/sglang_preflight.py), with the check's result given: a run whose own mode does not round-trip is refused naming the parameter and the
 setting; a bad --sglang-dir is one line naming the fix. The check itself (SGLang's model on CPU) is tested in
 tests/conformance/test_plan_sglang.py.
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engines.checks import sglang_preflight
-from engines.checks.sglang_preflight import SGLangModelCheck, SGLangUpdateRejected
+from engines.upstream import sglang_preflight
+from engines.upstream.sglang_preflight import SGLangModelCheck, SGLangUpdateRejected
 
 RUN = "SGLANG_OPT_FP8_WO_A_GEMM=0, FP4 experts (the cluster job's setting)"
 BROKEN = {RUN: {"setting": "SGLANG_OPT_FP8_WO_A_GEMM=0", "loads": True, "round_trips": False,
@@ -62,9 +62,9 @@ def test_plan_names_a_directory_without_sglang(tmp_path):
 
 # --------------------------------------------------- the job's own SGLang mode, never the caller's shell (issue 25)
 def test_the_run_mode_is_the_miles_jobs_environment_with_fp8_experts():
-    from engines.train.miles.launch import resolve
-    from engines.checks.sglang_model_check import Mode
-    from engines.checks.sglang_preflight import job_sglang_env
+    from engines.miles.launch import resolve
+    from engines.upstream.sglang_model_check import Mode
+    from engines.upstream.sglang_preflight import job_sglang_env
 
     env, whose = job_sglang_env(resolve("dsv4-flash-mi355x", {})[0])
     assert env["SGLANG_DSV4_FP4_EXPERTS"] == "0" and env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0", env
@@ -77,7 +77,7 @@ def test_the_run_mode_is_the_miles_jobs_environment_with_fp8_experts():
 def test_check_hands_sglang_a_start_checkpoint_in_the_jobs_format_and_every_variable(monkeypatch, tmp_path):
     from safetensors import safe_open
 
-    from engines.checks import sglang_model_check
+    from engines.upstream import sglang_model_check
 
     seen = {}
 
@@ -104,7 +104,7 @@ def test_check_hands_sglang_a_start_checkpoint_in_the_jobs_format_and_every_vari
 
 
 def test_sglangs_own_error_is_one_line_when_its_probe_dies(tmp_path):
-    from engines.checks.sglang_model_check import Case, Mode, run_cases
+    from engines.upstream.sglang_model_check import Case, Mode, run_cases
 
     fake = tmp_path / "src" / "sglang"
     (fake / "srt").mkdir(parents=True)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from engines.train.checkpointing import latest_step, load_training_checkpoint
+from engines.runs.checkpointing import latest_step, load_training_checkpoint
 from engines.train.run import TrainRunConfig, run_training
 from rl.loop import LoopConfig
 

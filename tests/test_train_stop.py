@@ -1,4 +1,4 @@
-"""A stop request (engines/train/stopping.py, what a cancelled rl-pipeline flow run sends its training task) ends
+"""A stop request (engines/runs/stopping.py, what a cancelled rl-pipeline flow run sends its training task) ends
 an embedded training run (in this process, and on Ray: its trainer and rollout actors killed at once): it raises
 TrainingStopped within 60 s, no actor process is left, and a later run of the same directory resumes from the
 last checkpoint with each step recorded once. A real local Ray cluster on 127.0.0.1; a few minutes on a loaded
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engines.train.run import _safe_key, run_training
-from engines.train.stopping import StopRequest, TrainingStopped
+from engines.runs.stopping import StopRequest, TrainingStopped
 from tests.test_kill_resume import STEPS, _config
 
 pytestmark = pytest.mark.faults

@@ -186,8 +186,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
         problems.append(str(exc))
     if problems:
         _fail("\nerror: ".join(problems))
-    from engines.train.run_lock import RunDirBusy, hold_run_dir
-    from engines.train.stopping import sigterm_as_interrupt
+    from engines.runs.run_lock import RunDirBusy, hold_run_dir
+    from engines.runs.stopping import sigterm_as_interrupt
 
     created = not out.exists()
     try:  # before torch loads: a second run on this directory is refused in a second, naming the one that has it
@@ -209,8 +209,8 @@ def train(out: Path = typer.Option(..., help="Run directory (metrics.jsonl, eval
 
 
 def _say_summary(out: Path) -> None:
-    """Where the run's report, plots and checkpoints are (the report is written now, engines/train/summary.py)."""
-    from engines.train.summary import run_summary
+    """Where the run's report, plots and checkpoints are (the report is written now, engines/runs/summary.py)."""
+    from engines.runs.summary import run_summary
 
     try:
         lines = run_summary(out)
@@ -224,7 +224,7 @@ def _train_run(out: Path, created: bool, terminated: list[int], *, tensorboard: 
                n_samples: int, eval_interval: int, eval_samples: int, seed: int, dynamic_sampling: bool,
                **fields) -> dict:
     """`v4rl train` once the run directory is held: the run, or its failure or interruption in words.
-    `terminated` is non-empty once SIGTERM came (engines/train/stopping.py sigterm_as_interrupt)."""
+    `terminated` is non-empty once SIGTERM came (engines/runs/stopping.py sigterm_as_interrupt)."""
     from engines.train.run import DEFAULT_BASE, TrainRunConfig, run_training, tiny_loop
     from v4rl.errors import is_run_failure, one_line_error, root_cause
     from v4rl.train_flags import as_flags
@@ -258,7 +258,7 @@ def _train_run(out: Path, created: bool, terminated: list[int], *, tensorboard: 
 
 def _interrupted(out: Path, terminated: list[int]) -> None:
     """Ctrl-C or SIGTERM: what was kept and where the same command resumes, the summary; exit 130 or 143."""
-    from engines.train.kept import kept_after_interrupt
+    from engines.runs.kept import kept_after_interrupt
 
     how = "terminated (SIGTERM)" if terminated else "interrupted"
     typer.secho(f"{how}: {kept_after_interrupt(out)}", fg=typer.colors.YELLOW, err=True)

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"--verify must be structure, full or none; got {verify!r}")
         _check(inputs.hf_checkpoint("SRC", src), inputs.output_dir("DST", dst))
         from checkpoints.convert import convert_hf_to_torch_dist
-        from engines.train.miles.generation import megatron_names_for
+        from engines.miles.generation import megatron_names_for
 
         try:
             names, why = megatron_names_for(miles_dir, megatron_names)

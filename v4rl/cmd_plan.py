@@ -13,7 +13,7 @@ the Miles job; with `--miles-dir`, run Miles' own argument parser on that job (C
 
 Exit codes: 0 feasible (and, when asked, Miles accepts the job / the launcher comparison has no DIFF), 2
 infeasible or rejected (the flags and values named), 1 bad input. Without `--miles-dir`/`--compare-launcher`
-nothing but the planner runs (well under a second). Library: engines.train.miles.launch, engines.train.miles.
+nothing but the planner runs (well under a second). Library: engines.miles.launch, engines.miles.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def plan(
     sglang_update: str = typer.Option("disk", help="Update kind for --sglang-dir: disk | distributed."),
 ) -> None:
     """Check a parallel layout (Megatron + SGLang rules, per-GPU memory, traffic); exit 0 feasible, 2 not."""
-    from engines.train.miles.launch import preflight_plan, resolve
+    from engines.miles.launch import preflight_plan, resolve
     from engines.layout import rank_layouts
 
     try:

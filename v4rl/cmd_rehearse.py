@@ -1,5 +1,5 @@
 """`v4rl rehearse`: Miles' own train.py, unmodified, on this CPU machine with v4rl's engine as its SGLang
-(engines/rehearsal/; docs/rehearsal.md says what it proves and what it cannot).
+(engines/upstream/rehearsal/; docs/rehearsal.md says what it proves and what it cannot).
 
     v4rl rehearse --stage rollout                         # the vendored Miles pins where ../shared/vendor exists
     v4rl rehearse --miles-dir ~/miles --megatron-dir ~/Megatron-LM --json rehearsal.json
@@ -18,7 +18,7 @@ import typer
 
 from rl.field_docs import field_default_and_doc
 
-_LAYOUT = field_default_and_doc("engines.rehearsal.run", "RehearsalRequest", "layout")
+_LAYOUT = field_default_and_doc("engines.upstream.rehearsal.run", "RehearsalRequest", "layout")
 
 
 def register(app: typer.Typer) -> None:
@@ -56,9 +56,9 @@ def register(app: typer.Typer) -> None:
         if problem:  # before Miles, Ray and the engine start, not when the report is written minutes later
             typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1)
-        from engines.rehearsal.job import substitution_table
-        from engines.rehearsal.metrics import MilesMetrics, metrics_summary
-        from engines.rehearsal.run import RehearsalError, RehearsalRequest, rehearse
+        from engines.upstream.rehearsal.job import substitution_table
+        from engines.upstream.rehearsal.metrics import MilesMetrics, metrics_summary
+        from engines.upstream.rehearsal.run import RehearsalError, RehearsalRequest, rehearse
 
         req = RehearsalRequest(stage=stage, miles_dir=str(miles_dir) if miles_dir else None,
                                megatron_dir=str(megatron_dir) if megatron_dir else None,

@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from engines import TINY_BASE
 from engines.presets.runs import SHORT_RUNS
-from engines.train.summary import pass_at_k_lines
+from engines.runs.summary import pass_at_k_lines
 
 ASSET = TINY_BASE
 QUIET_ENV = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -62,7 +62,7 @@ INTERRUPTED = 130
 
 def run_demo(workdir: Path, *, seed: int = 0, fresh: bool = False, steps: int = DEMO_RUN["steps"],
              ui: bool = False) -> int:
-    from engines.train.run_lock import RunDirBusy, hold_run_dir
+    from engines.runs.run_lock import RunDirBusy, hold_run_dir
 
     console = Console()
     workdir = workdir.resolve()
@@ -151,7 +151,7 @@ def _check_prefect_api(api: str) -> None:
 
 
 def _say_interrupted(console: Console, run_dir: Path, home: Path | None) -> None:
-    from engines.train.kept import kept_after_interrupt
+    from engines.runs.kept import kept_after_interrupt
 
     where = f"the demo's Prefect server (PREFECT_HOME={home})" if home else os.environ.get("PREFECT_API_URL")
     console.print(f"\n[yellow]interrupted[/]: the rl-pipeline flow run is marked Crashed in {where}; "

@@ -1,5 +1,5 @@
 """`v4rl plan`'s storage cost section: what one Miles job start and one save cost for the preset, and the run's
-total, one job per segment (v4rl before) vs one job per run (now). Library: engines/train/miles/costs.py.
+total, one job per segment (v4rl before) vs one job per run (now). Library: engines/miles/costs.py.
 
     v4rl plan --preset dsv4-flash-mi355x                           # includes the cost lines
     v4rl plan --preset dsv4-flash-mi355x --storage-gb-per-s 2 --no-save-optim --json
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engines.train.miles.costs import GB, job_costs, run_costs
+from engines.miles.costs import GB, job_costs, run_costs
 
 
 def cost_json(preset: str, overrides: Mapping[str, Any], *, storage_gb_per_s: float, save_optim: bool) -> dict:

@@ -1,6 +1,6 @@
 """The Miles half of `v4rl plan`: the job as JSON, Miles' own parse_args on it, the launcher comparison.
 
-Thin glue between v4rl/cmd_plan.py and engines/train/miles (build_command, preflight, launcher_compare); every
+Thin glue between v4rl/cmd_plan.py and engines/miles (build_command, preflight, launcher_compare); every
 import of an engine check happens inside the function that runs it, so plain `v4rl plan` stays fast.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import typer
 
-from engines.train.miles.launch import launch_plan, resolve
+from engines.miles.launch import launch_plan, resolve
 from engines.profiles import get_profile
 from engines.profiles.site import Site
-from engines.train import miles
+from engines import miles
 
 
 def site_and_job(preset: str, overrides: Mapping[str, Any], paths: Mapping[str, str | None], *, head_ip, worker_ip,
@@ -43,7 +43,7 @@ def job_json(preset: str, overrides: Mapping[str, Any], site: Site, job: miles.M
 
 
 def pin_line(generation: int = 1) -> str:
-    from engines.train.miles.command import MILES_PINS
+    from engines.miles.command import MILES_PINS
 
     pin = MILES_PINS[generation]
     return (f"Miles job: {miles.ENTRYPOINT} for Miles {pin['miles']} with Megatron-LM {pin['megatron_lm_branch']} "
@@ -59,7 +59,7 @@ def generation_overrides(miles_dir: str | None, generation: int | None, dsv4_imp
     out: dict[str, Any] = {}
     local = miles_dir or os.environ.get("V4RL_MILES_DIR")
     if generation is None and local:
-        from engines.train.miles.generation import detect_generation
+        from engines.miles.generation import detect_generation
 
         generation = detect_generation(local).generation
     if generation is not None:
@@ -77,8 +77,8 @@ def seed_command_text(obj: Mapping[str, Any]) -> str:
 
 def check(preset: str, overrides: Mapping[str, Any], site: Site, job: miles.MilesJob, *, miles_dir: str | None,
           megatron_dir: str | None, check_data: bool):
-    """Miles' own parse_args on the job (engines/train/miles/preflight.py)."""
-    from engines.train.miles.preflight import check_job
+    """Miles' own parse_args on the job (engines/upstream/miles_preflight.py)."""
+    from engines.upstream.miles_preflight import check_job
 
     eff, inp = resolve(preset, overrides)
     return check_job(eff, job, site=site, cluster=inp.cluster, miles_dir=miles_dir, megatron_dir=megatron_dir,
@@ -87,7 +87,7 @@ def check(preset: str, overrides: Mapping[str, Any], site: Site, job: miles.Mile
 
 def compare(preset: str, overrides: Mapping[str, Any], site: Site | None, miles_dir: str | None):
     """Miles' own launcher recorded for the preset's layout, against v4rl's job."""
-    from engines.train.miles.launcher_compare import compare_with_launcher
+    from engines.upstream.miles_launcher_compare import compare_with_launcher
 
     eff, _ = resolve(preset, overrides)
     given = site if site is not None and site.resolved_ray_address and site.socket_ifname else None
@@ -120,7 +120,7 @@ def print_comparison(comparison) -> None:
     for command in comparison.launcher_commands:
         con.print(escape(f"the launcher also runs (v4rl never does): {command.strip()}"))
     counts = {s: sum(r.status == s for r in comparison.rows) for s in ("same", "allowed", "DIFF")}
-    con.print(f"{counts['same']} same, {counts['allowed']} allowed (listed in engines/train/miles/"
+    con.print(f"{counts['same']} same, {counts['allowed']} allowed (listed in engines/miles/"
               f"launcher_compare.py ALLOWED), {counts['DIFF']} DIFF")
 
 

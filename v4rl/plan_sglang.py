@@ -1,4 +1,4 @@
-"""The SGLang half of `v4rl plan --sglang-dir DIR` (engines/checks/sglang_preflight.py does the work): the
+"""The SGLang half of `v4rl plan --sglang-dir DIR` (engines/upstream/sglang_preflight.py does the work): the
 user's own SGLang DeepSeek-V4 model on CPU, a tiny model of the run's format, one update vs a fresh load; printed
 per mode, refused (exit 2) when the cluster job's own mode does not round-trip.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from engines.checks.sglang_preflight import SGLangModelCheck, check, summary
+from engines.upstream.sglang_preflight import SGLangModelCheck, check, summary
 
 __all__ = ["check", "print_check"]
 

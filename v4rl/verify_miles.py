@@ -1,6 +1,6 @@
 """`v4rl verify-ckpt DIR --miles-dir M`: Miles' OWN DeepSeek-V4 model on a user's torch_dist checkpoint, on CPU.
 
-Three checks (engines/train/miles/model_check.py runs Miles' model in a subprocess; docs: README "Megatron
+Three checks (engines/upstream/miles_model_check.py runs Miles' model in a subprocess; docs: README "Megatron
 conformance"):
   (a) keys   Miles' model's sharded_state_dict keys, global shapes and dtypes vs the checkpoint's;
   (b) load   every parameter filled with a sentinel, Miles' own load_checkpoint on DIR: nothing may stay at the
@@ -60,10 +60,11 @@ def verify_with_miles(ckpt: str | Path, *, miles_dir: str | Path | None, megatro
     """Run (a)-(c) (module docstring) and return the report; `ok` is every check that ran passing."""
     import torch
 
-    from engines.upstream.sources import MILES_GENERATIONS, megatron_tree, miles_tree
+    from engines.miles.pins import MILES_GENERATIONS
+    from engines.upstream.sources import megatron_tree, miles_tree
     from engines.model.config import ModelConfig
-    from engines.train.miles.generation import detect_generation, dsv4_impl_args
-    from engines.train.miles.model_check import (NUMERIC_STANDINS, checkpoint_keys, compare_keys, probe_argv,
+    from engines.miles.generation import detect_generation, dsv4_impl_args
+    from engines.upstream.miles_model_check import (NUMERIC_STANDINS, checkpoint_keys, compare_keys, probe_argv,
                                                  run_probe, tile_kernels_mhc_reference)
 
     ckpt = Path(ckpt).expanduser()
@@ -158,9 +159,9 @@ def summary(report: dict[str, Any]) -> str:
 def plan_model_keys(preset: str, overrides: dict[str, Any], job, *, miles_dir: str | None,
                     megatron_dir: str | None):
     """For `v4rl plan --miles-dir`: Miles' model of that checkout (meta device) vs the checkpoint the job hands
-    over (engines/train/miles/model_check.py check_job_model_keys)."""
+    over (engines/upstream/miles_model_check.py check_job_model_keys)."""
     from engines.presets.runs import resolve
-    from engines.train.miles.model_check import check_job_model_keys
+    from engines.upstream.miles_model_check import check_job_model_keys
 
     eff, _ = resolve(preset, overrides)
     return check_job_model_keys(eff, job, miles_dir=miles_dir, megatron_dir=megatron_dir)

@@ -9,7 +9,7 @@ on the cluster path the gate is:
      `save_debug_rollout_data` writes and `load_debug_rollout_data` reads, `torch.save({"rollout_id",
      "metadata", "samples": [Sample.to_dict()]})` with each sample's `tokens` = prompt + response,
      `response_length`, `loss_mask`, `rollout_log_probs`, `status`;
-  3. Megatron, through Miles' train-only debug run of that file (engines/train/miles/jobs.py `align_argv`:
+  3. Megatron, through Miles' train-only debug run of that file (engines/miles/jobs.py `align_argv`:
      `--load-debug-rollout-data`, `--save-debug-train-data`, `--debug-disable-optimizer`, our converted
      checkpoint as --ref-load), recomputes the logprobs of exactly those tokens and every rank dumps its batch;
   4. `read_train_dumps` takes Megatron's `log_probs` from the pipeline's last stage, per sample, checking the

@@ -121,7 +121,7 @@ def _is_within(path: Path, root: Path) -> bool:
 
 
 RUN_LOCK = ".v4rl-lock"
-"""The run-directory lock's file name (engines/train/run_lock.py takes it): bookkeeping of the process running
+"""The run-directory lock's file name (engines/runs/run_lock.py takes it): bookkeeping of the process running
 now, never an artifact."""
 
 

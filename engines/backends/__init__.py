@@ -13,7 +13,7 @@ engines it drives. A run preset's hardware profile picks the backend (`backend_n
     PipelineParams.preset_defaults("tiny-cpu").backend()      # EmbeddedBackend(run_dir=..., config=...)
 
 The two implementations are adapters in this package, each step one call into the package that owns the engine
-(engines/train, engines/align, engines/train/miles); they satisfy `Backend` structurally. They sit here, not in
+(engines/train, engines/align, engines/miles); they satisfy `Backend` structurally. They sit here, not in
 engines/train, because the embedded one calls engines/align, which itself imports engines/train.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from engines.align import AlignConfig
-    from engines.train.stopping import StopRequest
+    from engines.runs.stopping import StopRequest
 
 BackendName = Literal["embedded", "miles"]
 Log = Callable[[str], None]

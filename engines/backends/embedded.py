@@ -24,9 +24,9 @@ from typing import Any
 from engines.align import AlignConfig
 from engines.train.held_out import held_out_eval
 from engines.train.run import TrainRunConfig, run_training
-from engines.train.runlog import RunLog
-from engines.train.sinks import open_sinks
-from engines.train.stopping import StopRequest
+from engines.runs.runlog import RunLog
+from engines.runs.sinks import open_sinks
+from engines.runs.stopping import StopRequest
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,11 @@
 """The Miles backend (`Backend`): the rl-pipeline's steps as Miles jobs on the existing Ray cluster
-(engines/train/miles/pipeline.py), nothing of the model loaded on this host but the conversion and its check. An
-adapter: each step is one call into engines/train/miles/.
+(engines/miles/pipeline.py), nothing of the model loaded on this host but the conversion and its check. An
+adapter: each step is one call into engines/miles/.
 
-    check      the job exactly as it will be submitted, through Miles' own parse_args on CPU (miles/preflight.py),
-               the model keys Miles builds against the checkpoint (miles/model_check.py) and, given `sglang_dir`, the
-               SGLang the cluster runs taking one weight update as a fresh load (engines/checks/sglang_preflight.py)
+    check      the job exactly as it will be submitted, through Miles' own parse_args on CPU
+               (upstream/miles_preflight.py), the model keys Miles builds against the checkpoint
+               (upstream/miles_model_check.py) and, given `sglang_dir`, the SGLang the cluster runs taking one weight
+               update as a fresh load (upstream/sglang_preflight.py)
     align      `align_gate` (here: engines/align sits above engines/train, so the gate's wiring to a ClusterRun
                lives in the adapter): SGLang generates, Megatron rescores through Miles' train-only debug run
     train      miles/pipeline.py `train_run`: ONE Miles job trains the run, evaluating and saving itself
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.train.miles.jobs import align_argv, flag_values
-from engines.train.miles.pipeline import ClusterRun, evaluate_step, train_run
-from engines.train.stopping import StopRequest
+from engines.miles.jobs import align_argv, flag_values
+from engines.miles.pipeline import ClusterRun, evaluate_step, train_run
+from engines.runs.stopping import StopRequest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,8 +152,8 @@ def check_miles_job(backend: MilesBackend, *, log: Callable[[str], None]) -> dic
     against the checkpoint; MilesRejected (not retried) when refused, SiteError naming a missing site parameter."""
     from engines.presets.runs import resolve
     from engines.profiles import get_profile
-    from engines.train.miles.model_check import check_job_model_keys
-    from engines.train.miles.preflight import MilesRejected, check_command
+    from engines.upstream.miles_model_check import check_job_model_keys
+    from engines.upstream.miles_preflight import MilesRejected, check_command
 
     run = backend.run
     prepared = run.prepare()  # SiteError / InfeasibleLayout / a config error, each naming the fix
@@ -177,8 +178,8 @@ def check_miles_job(backend: MilesBackend, *, log: Callable[[str], None]) -> dic
 def check_sglang_update(preset: str, overrides: Mapping[str, Any], sglang_dir: str, *,
                         log: Callable[[str], None]) -> dict[str, Any]:
     """The SGLang the cluster will run, on CPU: one update in the job's setting must reproduce a fresh load
-    (engines/checks/sglang_preflight.py); SGLangUpdateRejected (not retried) naming the parameter when not."""
-    from engines.checks.sglang_preflight import SGLangUpdateRejected, check, summary
+    (engines/upstream/sglang_preflight.py); SGLangUpdateRejected (not retried) naming the parameter when not."""
+    from engines.upstream.sglang_preflight import SGLangUpdateRejected, check, summary
 
     result = check(preset, dict(overrides), sglang_dir)
     if not result.ok:

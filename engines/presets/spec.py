@@ -1,7 +1,7 @@
 """What one RL run is made of: the `RunPreset` dataclass and its sections (data, eval, algorithm, Miles settings).
 
 Pure data, no I/O and no torch: the planner (engines/layout), the launch plan (engines/launch) and the Miles job
-builder (engines/train/miles) all read a preset, so it lives below all three and imports none of them. Named
+builder (engines/miles) all read a preset, so it lives below all three and imports none of them. Named
 presets are in `engines.presets.runs`.
 
 Where v4rl deliberately differs from Miles' own launcher (`scripts/amd/run_deepseek_v4.py` at the pinned
@@ -86,7 +86,7 @@ class AlgorithmSpec:
     use_tis: bool = True
     """--use-tis: truncated importance sampling on the train/rollout logprob mismatch (the seed turns it on)."""
     rollout_correction: RolloutCorrection | None = None
-    """The whole rollout correction (rl/correction_setting.py); engines/train/miles/train_args.py `correction_args`
+    """The whole rollout correction (rl/correction_setting.py); engines/miles/train_args.py `correction_args`
     writes it as Miles' flags. None: the seed's, token TIS when use_tis (else none) with routing replay as
     miles.rollout_routing_replay. Set, it decides --use-tis and --use-rollout-routing-replay itself."""
     loss_aggregation: LossAggregation = DEFAULT_LOSS_AGGREGATION
@@ -147,7 +147,7 @@ class MilesSettings:
     """--sglang-watchdog-timeout (Miles' launcher: 1800 s; ROCm tunes GEMMs slowly on first use)."""
     generation: int = 1
     """Which Miles DeepSeek-V4 generation the job (and the converted checkpoint's names) is for; read from the
-    user's checkout by engines/train/miles/generation.py (`v4rl plan --miles-dir`, the flow's miles_check_dir).
+    user's checkout by engines/miles/generation.py (`v4rl plan --miles-dir`, the flow's miles_check_dir).
     1: Miles main 31f1ca961 + Megatron-LM 2e64d788b (plugin weight names, `--experimental-attention-variant
     dsv4`, pipeline stages by `--decoder-first/last-pipeline-num-layers`). 2: Miles e9e19b223 + Megatron-LM
     6184c094a (Megatron's weight names, `--dsv4-impl`; with hash-routed layers and PP > 1 Megatron's config

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.upstream.sources import sglang_version
+from engines.rollout.sglang_pin import sglang_version
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.limits import max_req_input_len
 

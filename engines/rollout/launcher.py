@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from checkpoints.names import native_to_sglang_name
-from engines.upstream.sources import sglang_version
+from engines.rollout.sglang_pin import sglang_version
 from engines.rollout.fused_pairs import update_buckets
 from engines.rollout.sglang import SGLangClient, SGLangError
 from engines.rollout.update_settings import wo_a_gemm_env
@@ -97,7 +97,7 @@ class SGLangServerSpec:
 
     @classmethod
     def from_preset(cls, model_path: str, preset: Any, profile: Any = None, **overrides: Any) -> "SGLangServerSpec":
-        """Sizes from a run preset's rollout section (`engines.train.miles.launch.RunPreset.rollout`: engine_tp, engine_ep,
+        """Sizes from a run preset's rollout section (`engines.miles.launch.RunPreset.rollout`: engine_tp, engine_ep,
         engine_dp (DP attention, so --attn-dp-size), max_running_requests, max_total_tokens, context_length,
         mem_fraction_static); environment
         and interpreter from a hardware profile (`engines.profiles.HardwareProfile`: comm_env, launcher_env,

@@ -1,6 +1,6 @@
 """SGLang settings v4rl sets on every rollout engine it starts so that an online weight update reproduces a fresh
 load: the environment of `launcher.launch_env` (v4rl's own SGLang servers) and of the Miles job
-(`engines/train/miles/env.py`, every rank, SGLang engines included).
+(`engines/miles/env.py`, every rank, SGLang engines included).
 
 SGLANG_OPT_FP8_WO_A_GEMM (SGLang 0.5.23 default 1) keeps the attention's grouped output projection `wo_a` in FP8 and
 runs it as one absorbed GEMM. Its post-load step (`DeepseekV4ForCausalLM._setup_fp8_wo_a_scales`) reshapes

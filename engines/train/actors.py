@@ -22,7 +22,7 @@ import torch
 
 from checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 from engines.rollout.api import EngineConfig
-from engines.train.checkpointing import latest_step, load_training_checkpoint, save_training_checkpoint
+from engines.runs.checkpointing import latest_step, load_training_checkpoint, save_training_checkpoint
 from engines.train.trainer import Sample, Trainer, TrainerConfig
 from rl.grpo import GRPOConfig
 from rl.loop import Completion, Group

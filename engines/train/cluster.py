@@ -36,7 +36,7 @@ class RemoteCallTimeout(TimeoutError):
 class _NoThreadSigtermWarning(logging.Filter):
     """Drops ray.init's "SIGTERM handler is not set ... not the main thread" warning. The rl-pipeline starts Ray
     from its training thread on purpose; SIGTERM reaches the flow's main thread, which stops the training through
-    engines/train/stopping.py (actors killed, `ray.shutdown` here), so Ray's own handler is not needed."""
+    engines/runs/stopping.py (actors killed, `ray.shutdown` here), so Ray's own handler is not needed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "SIGTERM handler is not set" not in record.getMessage()
@@ -79,7 +79,7 @@ def ray_session(num_cpus: int | None = None) -> Iterator[dict[str, Any]]:
 
 @contextlib.contextmanager
 def _keep_sigterm_handler() -> Iterator[None]:
-    """A SIGTERM handler the caller set in Python (`v4rl train`: stop as on Ctrl-C, engines/train/stopping.py) is
+    """A SIGTERM handler the caller set in Python (`v4rl train`: stop as on Ctrl-C, engines/runs/stopping.py) is
     put back after ray.init, which replaces it with its driver's: a C++ stack dump, then abort (exit 134)."""
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:

@@ -6,7 +6,7 @@ rollout engine is brought to the same weights, metrics past that step are droppe
 from the next step with the same prompts it would have used. As Miles does on the cluster, the run evaluates
 itself (before training, every loop.eval_interval steps and at the last step: eval/step_XXXXXX.json, which the
 rl-pipeline flow publishes as each lands) and checkpoints every save_interval steps and at the last step, so
-the Prefect flow runs it as ONE long task. `stop` (engines/train/stopping.py) ends it from another thread: its
+the Prefect flow runs it as ONE long task. `stop` (engines/runs/stopping.py) ends it from another thread: its
 Ray actors are killed at once (any call blocked on them ends) and the run raises TrainingStopped.
 
     v4rl train --preset tiny-cpu --steps 100 --out runs/grpo
@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engines.rollout.sglang import SGLangClient, SGLangTimeout
-from engines.train.checkpointing import latest_step
+from engines.runs.checkpointing import latest_step
 from engines.train.cluster import RemoteCallTimeout
-from engines.train.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
-from engines.train.run_lock import hold_run_dir
-from engines.train.runlog import RunLog
-from engines.train.sinks import check_sink_names, open_sinks
-from engines.train.stopping import StopRequest, TrainingStopped
-from engines.train.summary import eval_line
+from engines.runs.guards import MismatchBudget, MismatchBudgetExceeded, StepHung, append_event, record_hang
+from engines.runs.run_lock import hold_run_dir
+from engines.runs.runlog import RunLog
+from engines.runs.sinks import check_sink_names, open_sinks
+from engines.runs.stopping import StopRequest, TrainingStopped
+from engines.runs.summary import eval_line
 from rl.correction_setting import RolloutCorrection
 from rl.grading import Grader, GraderFailed
 from rl.loss_setting import LossAggregation, check_loss_aggregation
@@ -156,7 +156,7 @@ class TrainRunConfig:
     checkpoint once, then stop)."""
     metric_sinks: list[str] = field(default_factory=list)
     """Dashboards mirroring metrics.jsonl and eval/ (always written): "tensorboard" (<run_dir>/tensorboard/)
-    and/or "wandb" (offline under <run_dir>/wandb/ unless WANDB_MODE=online); see engines/train/sinks.py.
+    and/or "wandb" (offline under <run_dir>/wandb/ unless WANDB_MODE=online); see engines/runs/sinks.py.
     Any other name is a ValueError listing the allowed ones; a resumed run may change the list."""
 
     def __post_init__(self) -> None:

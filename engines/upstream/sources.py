@@ -35,54 +35,25 @@ import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from engines.miles.pins import MEGATRON, MILES, SourcePin
+from engines.rollout.sglang_pin import SGLangPinMissing, sglang_version
+
 REPO = Path(__file__).resolve().parents[2]
-_PYPROJECT = REPO / "pyproject.toml"
 
 
 class EngineSourceMissing(RuntimeError):
     """An engine's source is not available here; the message says which variable or step provides it."""
 
 
-@dataclass(frozen=True)
-class SourcePin:
-    """One pinned engine tree: a git commit of a repository, as a vendor tarball with one top directory."""
+def _sglang_version() -> str:
+    """The pinned SGLang version (engines/rollout/sglang_pin.py), its absence an EngineSourceMissing."""
+    try:
+        return sglang_version()
+    except SGLangPinMissing as exc:
+        raise EngineSourceMissing(str(exc)) from None
 
-    name: str
-    repo: str
-    commit: str
-    tarball: str
-    """File name in the vendor directory."""
-    env: str
-    """Variable naming a user's own checkout of this engine instead."""
-
-    @property
-    def short(self) -> str:
-        return self.commit[:9]
-
-
-MILES = SourcePin("miles", "github.com/radixark/miles (main)", "31f1ca961a94cb860cec3b2dea34ec332bfa8f76",
-                  "miles-31f1ca961.tar.gz", "V4RL_MILES_DIR")
-"""Miles main of the first DeepSeek-V4 generation (plugin weight names); MILES_GEN2 is the second."""
-MILES_SEED_PR = SourcePin("miles", "github.com/radixark/miles (PR #1300 head, never merged)",
-                          "a8684732f37ed5cfc63c312f81b4d187b788df13", "miles-a8684732f.tar.gz", "V4RL_MILES_DIR")
-"""The only Miles whose `scripts/amd/run_deepseek_v4.py train` takes the seed's exact command line."""
-MEGATRON = SourcePin("megatron-lm", "github.com/radixark/Megatron-LM (miles-main)",
-                     "2e64d788b67fe8155774200c87606e1e449c494b", "megatron-lm-2e64d788b.tar.gz", "V4RL_MEGATRON_DIR")
-"""The Megatron-LM fork Miles' Dockerfiles clone, at the commit paired with MILES."""
-MILES_GEN2 = SourcePin("miles", "github.com/radixark/miles (PR #2706 head, DeepSeek-V4 support-v2, merged 2026-08-31)",
-                       "e9e19b22324a5da0d6d41bd0debf8be9f4316f3d", "miles-e9e19b223.tar.gz", "V4RL_MILES_DIR")
-"""Miles' second DeepSeek-V4 generation: Megatron's weight names, `--dsv4-impl miles|megatron`
-(engines/train/miles/generation.py); what every Miles cloned since September has."""
-MEGATRON_GEN2 = SourcePin("megatron-lm", "github.com/radixark/Megatron-LM (dsv4-dual-backend)",
-                          "6184c094a676ff96c2c74ac684ec0e4609f42d46", "megatron-lm-6184c094a.tar.gz",
-                          "V4RL_MEGATRON_DIR")
-"""The Megatron-LM that fits MILES_GEN2 (DeepSeek-V4 in Megatron itself: hash routing, hyper-connections,
-dsv4_hybrid attention); the branch Miles' Dockerfile names (miles-main-20260819) rejects its flags."""
-MILES_GENERATIONS: dict[int, tuple[SourcePin, SourcePin]] = {1: (MILES, MEGATRON), 2: (MILES_GEN2, MEGATRON_GEN2)}
-"""The pinned (Miles, Megatron-LM) pair of each DeepSeek-V4 generation v4rl supports."""
 
 # Packages SGLang's server, request structs, configs, DeepSeek-V4 model module, clients and test helpers import
 # at module level that v4rl's own environment does not have (found by importing them on CPU), plus what Miles'
@@ -100,23 +71,6 @@ SGLANG_CPU_DEPS: dict[str, str] = {
 
 
 # ------------------------------------------------------------------------------------------------ pins
-def sglang_version() -> str:
-    """The SGLang version of pyproject.toml's `cluster` extra (`sglang==X`): the one place it is pinned."""
-    text = _PYPROJECT.read_text() if _PYPROJECT.is_file() else ""
-    if not text:
-        from importlib.metadata import PackageNotFoundError, requires
-
-        try:
-            text = "\n".join(requires("v4rl") or ())
-        except PackageNotFoundError:
-            text = ""
-    found = re.search(r"""["']?sglang==([0-9][^"';\s,\]]*)""", text)
-    if not found:
-        raise EngineSourceMissing("no `sglang==X` pin in pyproject.toml's `cluster` extra (or the installed v4rl's "
-                                  "metadata); add one, e.g. cluster = [\"sglang==0.5.23\"]")
-    return found.group(1)
-
-
 def cache_root() -> Path:
     """Where extracted and installed engine sources live ($V4RL_ENGINE_CACHE, default ~/.cache/v4rl/engines)."""
     return Path(os.environ.get("V4RL_ENGINE_CACHE") or Path.home() / ".cache" / "v4rl" / "engines").expanduser()
@@ -190,7 +144,7 @@ def sglang_paths(install: bool = True) -> list[Path]:
             raise EngineSourceMissing(f"$V4RL_SGLANG_DIR {path} holds no sglang/srt/server_args.py; point it at the "
                                       "directory that contains the `sglang` package (SGLang's python/ folder)")
         return [path]
-    version = sglang_version()
+    version = _sglang_version()
     home = cache_root() / f"sglang-{version}-py{sys.version_info.major}{sys.version_info.minor}"
     _build_once(home, lambda: _install_sglang(version, home), install=install,
                 missing=f"SGLang {version} is not in {home}; run once with network access "

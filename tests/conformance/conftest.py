@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.miles import pins
 from engines.upstream import sources as engine_sources
 
 HERE = Path(__file__).resolve().parent
@@ -43,9 +44,9 @@ def miles_tree() -> Path:
 @pytest.fixture(scope="session")
 def miles_seed_pr_tree() -> Path:
     """Miles PR #1300 head (the seed's exact command line), from the vendor tarball only."""
-    if os.environ.get(engine_sources.MILES.env):
-        pytest.skip(f"${engine_sources.MILES.env} is set: checks of the PR-head tarball are skipped")
-    return _or_skip(engine_sources.miles_tree, None, engine_sources.MILES_SEED_PR)
+    if os.environ.get(pins.MILES.env):
+        pytest.skip(f"${pins.MILES.env} is set: checks of the PR-head tarball are skipped")
+    return _or_skip(engine_sources.miles_tree, None, pins.MILES_SEED_PR)
 
 
 @pytest.fixture(scope="session")
@@ -58,23 +59,23 @@ def megatron_tree() -> Path:
 def miles_gen2_tree() -> Path:
     """Miles e9e19b223 (DeepSeek-V4 generation 2: Megatron's names, --dsv4-impl), from the vendor tarball; with
     $V4RL_MILES_DIR set, that checkout when it is of generation 2 (else skipped)."""
-    return _generation_tree(2, engine_sources.miles_tree, engine_sources.MILES_GEN2)
+    return _generation_tree(2, engine_sources.miles_tree, pins.MILES_GEN2)
 
 
 @pytest.fixture(scope="session")
 def megatron_gen2_tree() -> Path:
     """Megatron-LM dsv4-dual-backend 6184c094a (fits Miles e9e19b223), or $V4RL_MEGATRON_DIR with a gen-2 Miles."""
-    return _generation_tree(2, engine_sources.megatron_tree, engine_sources.MEGATRON_GEN2)
+    return _generation_tree(2, engine_sources.megatron_tree, pins.MEGATRON_GEN2)
 
 
 def _generation_tree(generation: int, get, pin) -> Path:
     if os.environ.get(pin.env):
-        from engines.train.miles.generation import detect_generation
+        from engines.miles.generation import detect_generation
 
         user_miles = _or_skip(engine_sources.miles_tree)
         found = detect_generation(user_miles).generation
         if found != generation:
-            pytest.skip(f"${engine_sources.MILES.env} is a generation-{found} Miles; generation-{generation} checks "
+            pytest.skip(f"${pins.MILES.env} is a generation-{found} Miles; generation-{generation} checks "
                         "run on the vendor tarballs only")
         return _or_skip(get)
     return _or_skip(get, None, pin)

@@ -1,5 +1,5 @@
 """Fixtures' workhorse for tests/conformance/test_miles_model*.py: a Miles-legal tiny DeepSeek-V4 checkpoint made
-by v4rl, converted by v4rl, and one probe run of Miles' OWN model on it (engines/train/miles/model_check.py).
+by v4rl, converted by v4rl, and one probe run of Miles' OWN model on it (engines/upstream/miles_model_check.py).
 
 Miles' attention asserts Flash's per-head shapes (head_dim 512, rope 64, o_lora_rank 1024, window 128, YaRN
 factor 4 or 16 over 65536, compressor head dims 128/512, compress RoPE base 160000), so the tiny model keeps them
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from engines.model.config import ModelConfig
-from engines.rehearsal.tiny_model import tiny_miles_config  # noqa: F401 - the one Miles-legal tiny shape (tests import it from here)
-from engines.train.miles.model_check import NUMERIC_STANDINS, tile_kernels_mhc_reference
+from engines.upstream.rehearsal.tiny_model import tiny_miles_config  # noqa: F401 - the one Miles-legal tiny shape (tests import it from here)
+from engines.upstream.miles_model_check import NUMERIC_STANDINS, tile_kernels_mhc_reference
 
 SEQ = 256
 """Tokens of the forward: a multiple of 128 (Miles' compressor), two HCA entries, 64 CSA entries."""
@@ -97,7 +97,7 @@ class GenerationRun:
     numbered_root: Path
     tokens: torch.Tensor
     result: object
-    """engines.train.miles.model_check.ProbeResult"""
+    """engines.upstream.miles_model_check.ProbeResult"""
     expected_keys: dict
     faults: list = field(default_factory=list)
     seconds: float = 0.0
@@ -108,7 +108,7 @@ def probe_generation(work: Path, *, generation: int = 1, impl: str | None = None
     import time
 
     from checkpoints.convert import convert_hf_to_torch_dist
-    from engines.train.miles.model_check import expected_checkpoint_keys, probe_argv, run_probe
+    from engines.upstream.miles_model_check import expected_checkpoint_keys, probe_argv, run_probe
 
     cfg = tiny_miles_config()
     names = "plugin" if generation == 1 else "megatron"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from engines.upstream.sources import engine_python, sglang_version
+from engines.rollout.sglang_pin import sglang_version
+from engines.upstream.sources import engine_python
 from engines.upstream.stubs import GPU_ONLY_ROOTS
 
 SGLANG_MODULES = ["sglang.srt.server_args", "sglang.srt.managers.io_struct", "sglang.srt.entrypoints.http_server",

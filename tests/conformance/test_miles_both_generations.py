@@ -65,7 +65,7 @@ def test_convert_then_verify_ckpt_with_miles_dir(pair, tmp_path):
 
 
 def test_a_flag_miles_refuses_is_reported_in_miles_own_words(miles_tree, megatron_tree, tmp_path):
-    from engines.train.miles.model_check import MilesModelError, probe_argv, run_probe
+    from engines.upstream.miles_model_check import MilesModelError, probe_argv, run_probe
 
     hf = make_hf_checkpoint(tmp_path / "hf", tiny_miles_config())
     config = json.loads((hf / "config.json").read_text())

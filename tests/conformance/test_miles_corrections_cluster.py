@@ -19,9 +19,9 @@ import pytest
 
 from engines.presets.runs import SEED_RUN, apply_overrides
 from engines.profiles.site import Site
-from engines.train.miles import MilesJob
-from engines.train.miles.preflight import check_job, check_requests, job_request
-from engines.train.miles.train_args import ICEPOP_FUNCTION
+from engines.miles import MilesJob
+from engines.upstream.miles_preflight import check_job, check_requests, job_request
+from engines.miles.train_args import ICEPOP_FUNCTION
 
 SITE = Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="ens50f0", ib_hca="rdma0")
 TREES = {1: ("miles_tree", "megatron_tree"), 2: ("miles_gen2_tree", "megatron_gen2_tree")}

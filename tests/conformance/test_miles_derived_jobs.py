@@ -1,5 +1,5 @@
 """Miles' own parse_args (main 31f1ca961 with Megatron-LM 2e64d788b, on CPU through the preflight's probe)
-accepts every job the pipeline derives from v4rl's training job (engines/train/miles/jobs.py) for the seed's
+accepts every job the pipeline derives from v4rl's training job (engines/miles/jobs.py) for the seed's
 layout, and resolves what each one is for: the run's one training job (first submission and a
 resubmission that skips the evaluation already recorded), Miles' eval-only run on --ref-load and on a
 saved iteration, and the alignment gate's train-only debug run. All five argvs go through one probe process
@@ -17,9 +17,9 @@ def test_every_derived_job_passes_miles_parse_args(miles_tree, megatron_tree, sg
     from engines.profiles import get_profile
     from engines.presets.runs import SEED_RUN, layout_input
     from engines.profiles.site import Site
-    from engines.train.miles import MilesJob, build_command
-    from engines.train.miles.jobs import align_argv, eval_only_argv, run_argv
-    from engines.train.miles.preflight import check_commands
+    from engines.miles import MilesJob, build_command
+    from engines.miles.jobs import align_argv, eval_only_argv, run_argv
+    from engines.upstream.miles_preflight import check_commands
 
     profile = get_profile(SEED_RUN.profile)
     cluster = layout_input(SEED_RUN, profile=profile).cluster

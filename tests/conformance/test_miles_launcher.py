@@ -2,10 +2,10 @@
 
 `scripts/amd/run_deepseek_v4.py train` at the pinned Miles is driven through its typer app with typer 0.25.1 /
 click 8.2.1 (its Dockerfile.rocm pins) in a subprocess, its command helpers replaced by recorders
-(engines/train/miles/probes/record_launcher.py, Miles' own recording approach). First the recorder is pinned
+(engines/upstream/probes/record_launcher.py, Miles' own recording approach). First the recorder is pinned
 to Miles' committed snapshot; then, for each layout the launcher has a preset for (1 actor node; 32 actor GPUs
 TP4 PP4 EP8), v4rl's job must equal the recording except the commented allow-list of
-engines/train/miles/launcher_compare.py. The seed's layout and command are refused by main (conformance A1,
+engines/upstream/miles_launcher_compare.py. The seed's layout and command are refused by main (conformance A1,
 A2) and accepted by the PR-head tarball a8684732f, which keeps the seed's command reproducible. The second
 DeepSeek-V4 generation (e9e19b223, the same launcher) is compared against v4rl's generation-2 job with
 ALLOWED_GEN2 (the 32-GPU layout in the default run, 1 node `slow`). About 1 min.
@@ -22,8 +22,8 @@ import pytest
 
 from engines.profiles import get_profile
 from engines.presets.runs import MILES_1NODE_RUN, MILES_32GPU_RUN, SEED_RUN
-from engines.train.miles import MilesJob, launcher_argv, parse_flags
-from engines.train.miles.launcher_compare import ALLOWED, compare_with_launcher, record_launcher
+from engines.miles import MilesJob, launcher_argv, parse_flags
+from engines.upstream.miles_launcher_compare import ALLOWED, compare_with_launcher, record_launcher
 
 SNAPSHOT = "tests/snapshots/launch_scripts/py/scripts/amd/run_deepseek_v4.py/train.txt"
 # Miles' py_harness freezes these (tests/fast/launch_scripts/py_harness.py _FROZEN_ENV, FROZEN_RUN_ID)

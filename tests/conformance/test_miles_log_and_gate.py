@@ -68,8 +68,8 @@ def test_lines_miles_prints_are_read_back_into_the_run_directory(miles_tree, meg
         metrics.log_eval_rollout_data(1, args, {"aime-2024": {"rewards": [1, 1, 0, 0, 1, 1, 1, 0],
                                                               "truncated": [0] * 8}})
     """)
-    from engines.train.report import write_report
-    from engines.train.miles import parse_metric_line, record_lines
+    from engines.runs.report import write_report
+    from engines.miles import parse_metric_line, record_lines
 
     lines = log.splitlines()
     evals = [parse_metric_line(x) for x in lines if " - eval " in x]

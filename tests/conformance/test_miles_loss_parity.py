@@ -15,7 +15,7 @@ per-token logprobs that require grad:
 What stands in for the rest: a CP/TP/DP-size-1 ParallelState built from Miles' own classes, and
 `get_log_probs_and_entropy` answering with the given logprobs (the logits -> logprob step needs Megatron's
 vocab-parallel cross entropy; the trainer's logprobs are checked against Miles' model elsewhere). The arguments
-are the cluster job's loss flags (engines/train/miles/train_args.py `grpo_args` of the seed run, with each
+are the cluster job's loss flags (engines/miles/train_args.py `grpo_args` of the seed run, with each
 aggregation) over Miles' argparse defaults (MILES_DEFAULTS; the slow test checks them against Miles' parser).
 
 v4rl's side is the trainer's: `group_advantages`, the trainer's `micro_batches` split at a small budget, and
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from engines.presets.runs import SEED_RUN
-from engines.train.miles.train_args import grpo_args
+from engines.miles.train_args import grpo_args
 from engines.train.trainer import micro_batches
 from engines.upstream.sources import engine_python
 from rl.correction_setting import RolloutCorrection
@@ -288,7 +288,7 @@ def test_the_arguments_this_test_assumes_are_miles_own(miles_tree, megatron_tree
     it costs ~25 s: Miles' arguments import SGLang's). qkv_format is Megatron's, checked by test_miles_parse_args."""
     import json
 
-    from engines.train.miles.preflight import MILES_STUB_ROOTS
+    from engines.upstream.miles_preflight import MILES_STUB_ROOTS
     from engines.upstream.stubs import GPU_ONLY_ROOTS
 
     keys = sorted(set(_loss_args("token-mean")) - set(JOB_FLAGS))

@@ -3,7 +3,7 @@ both Miles generations: `gen1` (Miles main 31f1ca961 + Megatron-LM 2e64d788b, th
 `gen2-miles` (Miles e9e19b223 + Megatron-LM 6184c094a, Megatron's names, `--dsv4-impl miles`) in the default run;
 `gen2-megatron` (`--dsv4-impl megatron --dsa-kernel-backend none`, Megatron's own PyTorch path) is `slow`.
 
-Per generation one probe subprocess (engines/train/miles/model_check.py; ~2-4 min on 2 cores) builds Miles' model
+Per generation one probe subprocess (engines/upstream/miles_model_check.py; ~2-4 min on 2 cores) builds Miles' model
 through its model provider and `--spec` for a Miles-legal tiny config (tests/conformance/miles_model_harness.py),
 and on the checkpoint v4rl's converter wrote: (a) the model's sharded_state_dict keys, global shapes and dtypes; (b) Miles'
 own `load_checkpoint` after a sentinel fill, for the `release` and the numbered (`iter_0000020`) layout; (c) one
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.train.miles.model_check import compare_keys
+from engines.upstream.miles_model_check import compare_keys
 from engines.align.model_compare import compare_logprobs, compare_traces, ours_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -16,7 +16,7 @@ import pytest
 
 from engines.presets.flash import flash_config
 from engines.upstream.sources import engine_python
-from engines.train.miles import model_args
+from engines.miles import model_args
 
 
 def _miles_model_args(miles_tree, model_type: str) -> list[str]:

@@ -1,5 +1,5 @@
 """The preflight's model check: the user's Miles model, built on the meta device, against the checkpoint the
-pipeline hands over (engines/train/miles/model_check.py `check_model_keys`, called by `v4rl plan --miles-dir` and
+pipeline hands over (engines/upstream/miles_model_check.py `check_model_keys`, called by `v4rl plan --miles-dir` and
 the rl-pipeline preflight on a cluster preset). Each build parses the job's model flags with Miles' own parser
 and builds the whole model on the meta device: 2-4 minutes on 2 cores, so every test here is `slow`.
 
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from engines.presets.flash import flash_config
-from engines.train.miles.model_check import check_model_keys
+from engines.upstream.miles_model_check import check_model_keys
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Miles' own `parse_args` (with Megatron-LM's validation) accepts v4rl's job and resolves it as v4rl meant.
 
-engines/train/miles/preflight.py runs Miles' parser in a subprocess on CPU: Megatron-LM miles-main first on
+engines/upstream/miles_preflight.py runs Miles' parser in a subprocess on CPU: Megatron-LM miles-main first on
 sys.path, Miles main, SGLang 0.5.23's source, GPU-only imports stubbed where they fail, the profile's
 accelerator answering torch.cuda, and the job's runtime env. For the seed's layout (TP1 PP4 EP4, 2 + 2 nodes,
 which Miles' launcher has no preset for) and Miles' 32-GPU layout (TP4 PP4 EP8) the parallel sizes,
@@ -25,8 +25,8 @@ import pytest
 
 from engines.presets.runs import MILES_32GPU_RUN, SEED_RUN
 from engines.profiles.site import Site
-from engines.train.miles import MilesJob
-from engines.train.miles.preflight import check_job, check_requests, job_request
+from engines.miles import MilesJob
+from engines.upstream.miles_preflight import check_job, check_requests, job_request
 
 SITE = Site(ray_address="http://10.0.0.1:8265", master_addr="10.0.0.1", socket_ifname="ens50f0", ib_hca="rdma0")
 
@@ -39,7 +39,7 @@ def _job(tmp_path, **kw) -> MilesJob:
 @pytest.fixture(scope="module")
 def first_generation_checks(tmp_path_factory, miles_tree, megatron_tree, sglang_paths):
     """Miles 31f1ca961's checks of the default run's first-generation jobs, by name, from one check_requests."""
-    from engines.train.miles.launch import apply_overrides
+    from engines.miles.launch import apply_overrides
 
     tmp = tmp_path_factory.mktemp("first-generation")
     dp_attention, _ = apply_overrides(MILES_32GPU_RUN, {"sglang_dp": 2})
@@ -99,8 +99,8 @@ def test_second_generation_refuses_the_first_generations_stage_flags(tmp_path, m
     """The seed's `--decoder-last-pipeline-num-layers 10` passes Miles' parser but not Megatron's config build."""
     from engines.profiles import get_profile
     from engines.presets.runs import layout_input
-    from engines.train.miles import build_command
-    from engines.train.miles.preflight import check_command
+    from engines.miles import build_command
+    from engines.upstream.miles_preflight import check_command
 
     preset, job = _second_generation(SEED_RUN), _job(tmp_path)
     profile = get_profile(preset.profile)
@@ -141,8 +141,8 @@ def test_pipeline_preflight_stops_on_a_missing_eval_dataset(tmp_path, miles_tree
 
     from engines.presets.flash import flash_config
     from engines.backends.miles import MilesBackend
-    from engines.train.miles.pipeline import ClusterRun
-    from engines.train.miles.preflight import MilesRejected
+    from engines.miles.pipeline import ClusterRun
+    from engines.upstream.miles_preflight import MilesRejected
     from tasks.preflight import preflight
 
     hf = tmp_path / "hf"

@@ -73,8 +73,8 @@ def test_plan_refuses_an_sglang_whose_update_leaves_a_scale_unrestored(pinned_sr
 
 @pytest.mark.slow
 def test_plan_checks_the_jobs_own_mode_whatever_the_callers_shell_exports(pinned_src, monkeypatch):
-    from engines.train.miles.launch import resolve
-    from engines.checks.sglang_preflight import job_sglang_env
+    from engines.miles.launch import resolve
+    from engines.upstream.sglang_preflight import job_sglang_env
 
     job_env, _ = job_sglang_env(resolve("dsv4-flash-mi355x", {})[0])
     for name, value in job_env.items():  # a cluster node's shell: the job's variables exported

@@ -1,4 +1,4 @@
-"""`v4rl rehearse` (engines/rehearsal/): bad input is one line before anything starts; stage full of generation 1
+"""`v4rl rehearse` (engines/upstream/rehearsal/): bad input is one line before anything starts; stage full of generation 1
 (Miles' own train.py in its normal loop against v4rl's engine on local Ray, killed and resumed; about 3 minutes on 2
 cores) runs by default; the other stages, models and layouts are `slow` (`-m slow`, run before resolving).
 
@@ -17,10 +17,10 @@ import sys
 
 import pytest
 
-from engines.rehearsal.job import RehearsalPaths, rehearsal_job
-from engines.rehearsal.metrics import read_metrics
-from engines.rehearsal.run import RehearsalError, RehearsalRequest, free_port, rehearse, resolve_trees
-from engines.rehearsal.tiny_model import tiny_miles_config
+from engines.upstream.rehearsal.job import RehearsalPaths, rehearsal_job
+from engines.upstream.rehearsal.metrics import read_metrics
+from engines.upstream.rehearsal.run import RehearsalError, RehearsalRequest, free_port, rehearse, resolve_trees
+from engines.upstream.rehearsal.tiny_model import tiny_miles_config
 
 ENGINE = "127.0.0.1:31777"
 
@@ -152,7 +152,7 @@ def test_train_job_trains_on_the_rollout_stages_dump(tmp_path):
 
 
 def test_a_miles_failure_names_the_innermost_miles_frame(tmp_path):
-    from engines.rehearsal.run import _miles_frame
+    from engines.upstream.rehearsal.run import _miles_frame
 
     text = ('Traceback (most recent call last):\n  File "/x/miles/ray/train/group.py", line 12, in a\n'
             '  File "/x/megatron/core/optimizer/__init__.py", line 99, in b\n  File "/usr/lib/torch/x.py", line 1\n'
@@ -226,7 +226,7 @@ def test_rollout_stage_runs_miles_train_py(generation, request, sglang_paths, tm
 
 
 def test_ray_temp_dir_stays_within_the_unix_socket_limit(tmp_path):
-    from engines.rehearsal.run import RAY_SOCKET_TAIL, UNIX_SOCKET_MAX, _ray_temp_dir
+    from engines.upstream.rehearsal.run import RAY_SOCKET_TAIL, UNIX_SOCKET_MAX, _ray_temp_dir
 
     short = _ray_temp_dir(tmp_path / ("w" * 80))
     shutil.rmtree(short)
@@ -239,7 +239,7 @@ def test_driver_exit_keeps_its_status_and_runs_atexit_handlers(tmp_path, body, s
     """The driver ends through os._exit after the other atexit handlers (Ray's shutdown among them): the status
     is the script's own, handlers registered after the bootstrap (as Ray's are) still ran, and what would hang
     later in the interpreter's teardown (as _raylet.so's destructors do; here a finalizer) never runs."""
-    from engines.rehearsal.run import BOOTSTRAP
+    from engines.upstream.rehearsal.run import BOOTSTRAP
 
     script = tmp_path / "train.py"
     script.write_text("import atexit, sys, time\natexit.register(lambda: print('ray shutdown ran'))\n"
@@ -253,7 +253,7 @@ def test_driver_exit_keeps_its_status_and_runs_atexit_handlers(tmp_path, body, s
 def test_a_patch_the_bootstrap_cannot_apply_is_one_line_naming_it(tmp_path):
     """Stage full's broadcast recorder against a Miles whose broadcast module lacks the function it wraps: the import
     fails with one line naming the patch and the module, not a traceback through Miles' import."""
-    from engines.rehearsal.run import BOOTSTRAP
+    from engines.upstream.rehearsal.run import BOOTSTRAP
 
     module = "miles/backends/megatron_utils/update_weight/update_weight_from_distributed/broadcast.py"
     for parent in Path(module).parents:
@@ -274,7 +274,7 @@ def test_a_patch_the_bootstrap_cannot_apply_is_one_line_naming_it(tmp_path):
 def test_a_workaround_stands_aside_where_miles_lacks_the_function_it_wraps(tmp_path):
     """The placement workaround against a Miles whose placement module has no _get_placement_group_layout (the
     seed's PR-head): the module imports as it is, so Miles goes on to its own messages."""
-    from engines.rehearsal.run import BOOTSTRAP
+    from engines.upstream.rehearsal.run import BOOTSTRAP
 
     (tmp_path / "miles" / "ray").mkdir(parents=True)
     for init in ("miles/__init__.py", "miles/ray/__init__.py"):
@@ -325,7 +325,7 @@ def _gen2_job(tmp_path, stage: str, layout: str):
 def test_layout_pp2_ep2_sets_the_parallel_flags_gpus_and_rows(tmp_path, stage):
     """--layout pp2-ep2: 4 logical GPUs, PP 2 (generation 2's layout string, 2 layers per stage) x DP 2, EP 2;
     every flag that differs from the cluster's is a row saying both values; Ray gets the 4 GPUs."""
-    from engines.train.miles.command import parse_flags
+    from engines.miles.command import parse_flags
 
     job = _gen2_job(tmp_path, stage, "pp2-ep2")
     flags = parse_flags(job.argv)
@@ -361,9 +361,9 @@ def test_miles_parse_args_accepts_the_pp2_ep2_job_and_megatron_builds_its_config
     from engines.presets.runs import SEED_RUN
     from engines.profiles import get_profile
     from engines.presets.runs import layout_input
-    from engines.train.miles import MilesJob
-    from engines.train.miles.command import MilesCommand
-    from engines.train.miles.preflight import check_command
+    from engines.miles import MilesJob
+    from engines.miles.command import MilesCommand
+    from engines.upstream.miles_preflight import check_command
 
     job = _gen2_job(tmp_path, "train", "pp2-ep2")
     preset = dataclasses.replace(SEED_RUN, miles=dataclasses.replace(SEED_RUN.miles, generation=2,
@@ -384,7 +384,7 @@ def test_miles_parse_args_accepts_the_pp2_ep2_job_and_megatron_builds_its_config
 
 def test_stage_rollouts_idle_actor_stays_at_layout_1(tmp_path):
     """Miles' --debug-rollout-only resizes its idle actor to --rollout-num-gpus (1): PP 2 cannot be laid on it."""
-    from engines.train.miles.command import parse_flags
+    from engines.miles.command import parse_flags
 
     job = _gen2_job(tmp_path, "rollout", "pp2-ep2")
     flags = parse_flags(job.argv)
@@ -394,7 +394,7 @@ def test_stage_rollouts_idle_actor_stays_at_layout_1(tmp_path):
 
 
 def test_layout_1_is_todays_single_gpu_job(tmp_path):
-    from engines.train.miles.command import parse_flags
+    from engines.miles.command import parse_flags
 
     job = _gen2_job(tmp_path, "train", "1")
     flags = parse_flags(job.argv)
@@ -424,7 +424,7 @@ def test_a_request_the_engine_refuses_stops_miles_at_once_with_the_engines_reaso
     """Miles retries a refused /generate for a minute; the rehearsal stops it as the engine logs the refusal."""
     import time
 
-    from engines.rehearsal.run import _run_miles
+    from engines.upstream.rehearsal.run import _run_miles
     from engines.rollout.server import REFUSAL_PREFIX
 
     miles = tmp_path / "miles"

@@ -1,6 +1,6 @@
 """Conformance on SGLang's own DeepSeek-V4 model (C8-C10): SGLang 0.5.23's `DeepseekV4ForCausalLM`, its
 `DefaultModelLoader` and its online-update code (`WeightUpdater`), run on CPU in one subprocess
-(engines/checks/sglang_model_probe.py; its docstring lists the three stand-ins and why they change no name,
+(engines/upstream/sglang_model_probe.py; its docstring lists the three stand-ins and why they change no name,
 shape or value), fed the checkpoints v4rl writes.
 
 (a) first load of every kind v4rl writes (bootstrap base, `v4rl export --format hf-fp8`, the weight-update
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.checks.sglang_model_check import Case, CaseResult, Mode, Update, run_cases, tiny_checkpoints
+from engines.upstream.sglang_model_check import Case, CaseResult, Mode, Update, run_cases, tiny_checkpoints
 from engines import TINY_BASE
 
 ASSET = TINY_BASE

@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 
-from engines.train.miles.launch import RUN_PRESETS
+from engines.miles.launch import RUN_PRESETS
 from engines.profiles import PROFILES
 from engines.rollout.launcher import SGLangServerSpec, build_launch_command, launch_env
 

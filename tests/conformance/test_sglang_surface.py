@@ -23,7 +23,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from engines.upstream.sources import sglang_version
+from engines.rollout.sglang_pin import sglang_version
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.info import ServingState
 from engines.rollout.launcher import SGLangServerSpec, build_launch_command

@@ -10,7 +10,7 @@ import importlib.abc
 import os
 import sys
 
-TARGET = "engines.train.checkpointing"
+TARGET = "engines.runs.checkpointing"
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
