@@ -47,6 +47,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from checkpoints.names import IGNORED_NATIVE_PREFIXES, sglang_to_native_name
+from checkpoints.paths import INDEX_FILE, SINGLE_FILE  # named once, in the module that imports no torch
 from engines.model.config import ModelConfig
 from engines.model.config_format import ALIASES, TRANSFORMERS_ONLY
 from engines.model.params import ParamSpec, native_param_specs
@@ -58,8 +59,6 @@ from checkpoints.quant import (
     quantize_fp8_blockwise,
 )
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 FP8_BLOCK = (128, 128)
 FP4_GROUP = 32
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3

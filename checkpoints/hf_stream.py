@@ -38,6 +38,7 @@ import torch
 
 from checkpoints import hf
 from checkpoints.hf import FP4_GROUP, FP8_BLOCK, INDEX_FILE, CheckpointError, QuantizedTensor
+from checkpoints.paths import SafetensorsHeaderError, safetensors_header
 from checkpoints.torch_dist import TORCH_DIST_DTYPES
 from engines.model.config import ModelConfig
 from engines.model.params import native_param_specs
@@ -77,17 +78,10 @@ def read_safetensors_header(path: Path, file: str | None = None) -> dict[str, St
     `file` is the name recorded in each `Stored` (the shard name relative to its checkpoint dir).
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or 8 + n > size:
-                raise CheckpointError(f"{path}: not a safetensors file or truncated (header of {n} bytes, file of "
-                                      f"{size}); re-download or re-export it")
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        header, n, size = safetensors_header(path)
+    except SafetensorsHeaderError as exc:
+        raise CheckpointError(str(exc)) from None
+    except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the safetensors header ({exc}); re-download or re-export it") \
             from exc
     out: dict[str, Stored] = {}

@@ -216,21 +216,42 @@ def tokenizer_dir_of(ckpt: Path) -> Path | None:
     return None
 
 
+class SafetensorsHeaderError(ValueError):
+    """A safetensors file whose header cannot be read: the message is one line naming the file and the fix."""
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(header, header length, file size) of a safetensors file, reading only its header; SafetensorsHeaderError
+    when the file is too short for the header it announces or the header is not a JSON object (PermissionError
+    and other OSErrors pass through)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise SafetensorsHeaderError(f"{path} is truncated or not a safetensors file (header of {n} bytes, file "
+                                         f"of {size}); re-download or re-export it")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise SafetensorsHeaderError(f"{path}: cannot read the safetensors header ({exc}); re-download or "
+                                         "re-export it") from None
+    if not isinstance(header, dict):
+        raise SafetensorsHeaderError(f"{path}: the safetensors header is not a JSON object; re-download or "
+                                     "re-export it")
+    return header, n, size
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file cannot be whole (one line), from its header alone: too short for its header, a header
     that is not JSON, or tensors that end beyond the file's last byte (a copy or download cut short)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or 8 + n > size:
-                return (f"{path} is truncated or not a safetensors file (header of {n} bytes, file of {size}); "
-                        "re-download or re-export it")
-            header = json.loads(f.read(n))
+        header, n, size = safetensors_header(path)
     except PermissionError:
         return unreadable(path)
-    except (OSError, ValueError) as exc:
+    except SafetensorsHeaderError as exc:
+        return str(exc)
+    except OSError as exc:
         return f"{path}: cannot read the safetensors header ({exc}); re-download or re-export it"
     try:
         ends = sorted((int(v["data_offsets"][1]), k) for k, v in header.items() if k != "__metadata__")
