@@ -102,14 +102,22 @@ def _run_seed(settings: E2ESettings, work: Path, arms: list[str], machine: dict,
     with TRLSide(settings, work / "trl") as trl:
         v4rl = _run_v4rl(settings, work / "v4rl", trl)
         trl_log = trl.finish()
-    extra = {arm: _run_v4rl(settings, work / arm, None, arm=arm) for arm in arms[1:]}
+    extra, failed = {}, {}
+    for arm in arms[1:]:  # an arm that fails (out of memory, say) is reported; the others' results are kept
+        try:
+            extra[arm] = _run_v4rl(settings, work / arm, None, arm=arm)
+        except Exception as exc:
+            from v4rl.errors import one_line_error
+
+            failed[arm] = one_line_error(exc)
+            print(f"[{arm}] failed: {failed[arm]}")
     evals = evaluate_snapshots(settings, {"v4rl": v4rl["snapshots"], "trl": trl.snapshots,
                                           **{arm: run["snapshots"] for arm, run in extra.items()}})
     cross = cross_format_evals(settings, work / "v4rl", trl.snapshots[settings.steps], work / "cross-format")
     result = _result(settings, machine, v4rl, trl, trl_log, {side: evals[side] for side in ("v4rl", "trl")},
                      trl_version)
     result["cross_format_last_step"] = cross
-    result["arms"] = {}
+    result["arms"] = {arm: {"error": error} for arm, error in failed.items()}
     for arm, run in extra.items():
         seconds = [r["perf/step_time"] for r in run["rows"]]
         elapsed = _cumulative(seconds)
@@ -348,11 +356,15 @@ def _over_seeds(per_seed: list[dict[str, Any]], settings: E2ESettings, machine: 
     median_of = lambda get: statistics.median(get(r) for r in per_seed)  # noqa: E731
     phases = {side: {name: median_of(lambda r: r["phases_median_s"][side][name]) for name in first["phases_median_s"][side]}
               for side in first["phases_median_s"]}
-    arms = {arm: {"seconds_per_step": median_of(lambda r: r["arms"][arm]["seconds_per_step"]),
-                  "evals": _mean_evals([r["arms"][arm]["evals"] for r in per_seed]),
-                  "learning": _learning([{"v4rl": r["arms"][arm]["evals"], "trl": r["evals"]["trl"]}
-                                         for r in per_seed])}
-            for arm in first["arms"]}
+    arms = {}
+    for arm in first["arms"]:
+        ran = [r for r in per_seed if "error" not in r["arms"][arm]]
+        errors = [r["arms"][arm]["error"] for r in per_seed if "error" in r["arms"][arm]]
+        arms[arm] = {"errors": errors} if not ran else {
+            "seeds": len(ran), "errors": errors,
+            "seconds_per_step": statistics.median(r["arms"][arm]["seconds_per_step"] for r in ran),
+            "evals": _mean_evals([r["arms"][arm]["evals"] for r in ran]),
+            "learning": _learning([{"v4rl": r["arms"][arm]["evals"], "trl": r["evals"]["trl"]} for r in ran])}
     return {
         **{key: first[key] for key in ("steps", "trl_version", "differences")},
         "settings": {**settings.to_dict(), "seeds": [r["settings"]["seed"] for r in per_seed]},
@@ -394,6 +406,9 @@ def _print_summary(r: dict[str, Any], json_out: Path) -> None:
         print(f"  step {point['step']:4d}: pass@1 v4rl {point['v4rl']:.3f}, TRL {point['trl']:.3f} "
               f"(diff {point['diff']:+.3f} +- {point['diff_se']:.3f})")
     for arm, result in r["arms"].items():
+        if "learning" not in result:
+            print(f"  arm {arm}: failed on every seed: {result['errors'][0]}")
+            continue
         worst = min(result["learning"]["pass@1"], key=lambda point: point["diff"])
         print(f"  arm {arm}: {result['seconds_per_step']:.2f} s/step; pass@1 vs TRL at step {worst['step']} (its "
               f"largest gap) {worst['diff']:+.3f} +- {worst['diff_se']:.3f}; no worse: "

@@ -5,11 +5,14 @@ against TRL.
 
   v4rl             `v4rl train` as the bench runs it (bench/e2e_settings.py v4rl_config)
   bf16-rollout     the rollout serves unquantized BF16 weights, the trainer forwards BF16 (no FP8 round trip)
+  no-fake-quant    FP8 rollout, but the trainer forwards its BF16 weights (no quantization-aware forward), as
+                   Megatron does on the cluster
   no-correction    no rollout correction (TIS off: TRL corrects nothing)
   full-sequences   every sample forwarded whole (no shared prompt prefix)
   one-micro-batch  the whole step in one micro-batch (a token budget no step reaches)
   trl-eps          TRL's advantage epsilon, 1e-4 (v4rl's, as Miles': 1e-6)
-  trl-like         all of the above at once: v4rl's engines with TRL's choices
+  trl-like         TRL's choices at once: BF16 rollout, no correction, whole sequences, TRL's epsilon (not one
+                   micro-batch: TRL accumulates micro-batches too, and the whole step at once needs ~20 GB here)
 
     from bench.e2e_arms import arm_config
     config = arm_config("bf16-rollout", v4rl_config(settings))
@@ -29,6 +32,10 @@ def _bf16_rollout(config):
     return dataclasses.replace(config, rollout_weights="bf16", quantization_aware=False)
 
 
+def _no_fake_quant(config):
+    return dataclasses.replace(config, quantization_aware=False)
+
+
 def _no_correction(config):
     return dataclasses.replace(config, rollout_correction=RolloutCorrection(mode="none"))
 
@@ -46,10 +53,13 @@ def _trl_eps(config):
 
 
 CHANGES: dict[str, Callable] = {
-    "bf16-rollout": _bf16_rollout, "no-correction": _no_correction, "full-sequences": _full_sequences,
+    "bf16-rollout": _bf16_rollout, "no-fake-quant": _no_fake_quant, "no-correction": _no_correction,
+    "full-sequences": _full_sequences,
     "one-micro-batch": _one_micro_batch, "trl-eps": _trl_eps,
 }
 """Each single-difference arm: TrainRunConfig -> TrainRunConfig."""
+TRL_LIKE = ("bf16-rollout", "no-correction", "full-sequences", "trl-eps")
+"""The changes the trl-like arm makes together."""
 ARMS: tuple[str, ...] = (DEFAULT_ARM, *CHANGES, "trl-like")
 
 
@@ -58,8 +68,8 @@ def arm_config(arm: str, config):
     if arm == DEFAULT_ARM:
         return config
     if arm == "trl-like":
-        for change in CHANGES.values():
-            config = change(config)
+        for name in TRL_LIKE:
+            config = CHANGES[name](config)
         return config
     return CHANGES[arm](config)
 

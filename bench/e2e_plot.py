@@ -25,6 +25,8 @@ def plot_pass_at_k_vs_seconds(result: dict[str, Any], path: Path) -> Path:
         ax.plot(seconds, [e["pass@8"] for e in evals], "s--", color=style["color"], label=f"{style['label']} pass@8")
     s = result["settings"]
     for arm, arm_result in result.get("arms", {}).items():  # pass@1 only: the arms are there to compare learning
+        if "evals" not in arm_result:  # failed on every seed
+            continue
         evals = arm_result["evals"]
         ax.plot([e["train_seconds"] for e in evals], [e["pass@1"] for e in evals], ".:", label=f"arm {arm} pass@1")
     ax.set(xlabel="training seconds (sum of GRPO step times)", ylabel="held-out pass@k", ylim=(0, 1),

@@ -164,6 +164,7 @@ def test_e2e_arms_change_one_setting_each_and_unknown_ones_are_refused():
     changed = {arm: {k for k, v in arm_config(arm, base).to_dict().items() if base.to_dict().get(k) != v}
                for arm in ARMS if arm not in ("v4rl", "trl-like")}
     assert changed == {"bf16-rollout": {"rollout_weights", "quantization_aware"},
+                       "no-fake-quant": {"quantization_aware"},
                        "no-correction": {"rollout_correction"}, "full-sequences": {"share_prompt_prefix"},
                        "one-micro-batch": {"max_tokens_per_gpu"}, "trl-eps": {"loop"}}
     assert parse_arms("trl-like, no-correction") == ["v4rl", "no-correction", "trl-like"]

@@ -66,7 +66,7 @@ def test_each_argv_of_one_probe_process_is_answered_on_its_own(tmp_path, monkeyp
     from engines.profiles import get_profile
     from engines.miles import MilesJob
     from engines.miles.command import MilesCommand
-    from engines.miles import preflight
+    from engines.upstream import miles_preflight as preflight
     from engines.upstream import sources
 
     processes = []
