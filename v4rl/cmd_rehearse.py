@@ -5,6 +5,7 @@
     v4rl rehearse --miles-dir ~/miles --megatron-dir ~/Megatron-LM --json rehearsal.json
     v4rl rehearse --stage train --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron   # rollout, then train
     v4rl rehearse --stage full --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron    # loop, kill, resume
+    v4rl rehearse --stage full --submit ray-job           # the same, `ray job submit`ted as the cluster path does
     v4rl rehearse --stage train --miles-dir ~/miles-e9e19b223 --dsv4-impl megatron --layout pp2-ep2
 """
 
@@ -19,6 +20,7 @@ import typer
 from rl.field_docs import field_default_and_doc
 
 _LAYOUT = field_default_and_doc("engines.upstream.rehearsal.run", "RehearsalRequest", "layout")
+_SUBMIT = field_default_and_doc("engines.upstream.rehearsal.run", "RehearsalRequest", "submit")
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +38,7 @@ def register(app: typer.Typer) -> None:
         dsv4_impl: str = typer.Option(None, help="Generation 2: miles | megatron (Megatron's own PyTorch "
                                                  "attention, --dsa-kernel-backend none)."),
         layout: str = typer.Option(_LAYOUT[0], help=_LAYOUT[1]),
+        submit: str = typer.Option(_SUBMIT[0], help=_SUBMIT[1]),
         miles_dir: Path = typer.Option(None, envvar="V4RL_MILES_DIR",
                                        help="Miles checkout (default: the vendored pin where ../shared/vendor exists)."),
         megatron_dir: Path = typer.Option(None, envvar="V4RL_MEGATRON_DIR",
@@ -65,7 +68,7 @@ def register(app: typer.Typer) -> None:
                                work_dir=str(work_dir) if work_dir else None, engine_port=engine_port,
                                ray_port=ray_port, timeout_s=timeout,
                                rollout_data=str(rollout_data) if rollout_data else None, dsv4_impl=dsv4_impl,
-                               layout=layout)
+                               layout=layout, submit=submit)
         try:
             report = rehearse(req, log=lambda line: typer.echo(line, err=True))
         except RehearsalError as exc:

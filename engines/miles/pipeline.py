@@ -21,6 +21,7 @@ its ClusterRun from the flow's parameters (the deployment's Site, the MilesJob p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,15 +78,16 @@ class ClusterRun:
 
     def submit(self, prepared: PreparedJob, argv: list[str], *, recorder: MilesRecorder | None = None,
                expect_start_rollout: int | None = None, on_line: Callable[[str], None] | None = None,
-               stop: StopRequest | None = None) -> MilesOutcome:
+               stop: StopRequest | None = None, timeout_s: float | None = None) -> MilesOutcome:
         """Run `argv` as the job's train.py argv on the cluster, recording its metric lines; a set `stop` ends it
-        (`ray job stop`)."""
+        (`ray job stop`), as does running past `timeout_s` (None: no limit but idle_timeout_s)."""
         command = dataclasses.replace(prepared.command, argv=list(argv))
         try:
             return run_miles(submit_argv(command, self.site), log_path=self.job.log_path, env=prepared.submit_env,
-                             idle_timeout_s=self.idle_timeout_s, on_line=on_line,
+                             idle_timeout_s=self.idle_timeout_s, timeout_s=timeout_s, on_line=on_line,
                              on_record=recorder.feed if recorder else None, expect_start_rollout=expect_start_rollout,
-                             stop=stop, on_job=self._record_live_job)
+                             stop=stop, on_job=self._record_live_job,
+                             stop_job=functools.partial(stop_ray_job, ray_cli=self.site.ray_cli))
         finally:
             if recorder is not None:
                 recorder.finish()  # what was trained before a failure is committed; a resume drops the rest
@@ -97,7 +99,8 @@ class ClusterRun:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"ray_job_id": job_id, "ray_address": self.site.resolved_ray_address}))
+        tmp.write_text(json.dumps({"ray_job_id": job_id, "ray_address": self.site.resolved_ray_address,
+                                   "ray_cli": self.site.ray_cli}))
         tmp.replace(path)
 
 
@@ -151,7 +154,7 @@ def stop_live_job(run_dir: str | Path) -> str | None:
         return None
     live = json.loads(path.read_text())
     env = {"RAY_ADDRESS": live["ray_address"]} if live.get("ray_address") else None
-    if stop_ray_job(live["ray_job_id"], env):
+    if stop_ray_job(live["ray_job_id"], env, ray_cli=live.get("ray_cli", "ray")):
         path.unlink(missing_ok=True)
     return live["ray_job_id"]
 

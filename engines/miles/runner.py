@@ -61,6 +61,10 @@ class MilesRunError(RuntimeError):
         self.outcome = outcome
 
 
+class MilesJobFailed(MilesRunError):
+    """The job itself ended with a non-zero exit (Miles raised, a rank died, its driver was killed)."""
+
+
 class MilesTimeout(MilesRunError):
     """Miles printed nothing for idle_timeout_s (a stalled collective?) or ran past timeout_s; it was killed."""
 
@@ -82,10 +86,10 @@ LOAD_SKIPPED = re.compile(r"(?P<key>\S+) from model not in state dict, will skip
 the checkpoint lacks, then goes on: the parameter keeps its random init and the run trains garbage."""
 
 
-def stop_ray_job(job_id: str, env: Mapping[str, str] | None = None) -> bool:
+def stop_ray_job(job_id: str, env: Mapping[str, str] | None = None, *, ray_cli: str = "ray") -> bool:
     """Best effort `ray job stop <id>` (killing the submitting client does not stop a submitted Ray job)."""
     try:
-        done = subprocess.run(["ray", "job", "stop", job_id], env={**os.environ, **(env or {})},
+        done = subprocess.run([ray_cli, "job", "stop", job_id], env={**os.environ, **(env or {})},
                               capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -196,7 +200,7 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
     if failure:
         raise failure[0](failure[1], outcome)
     if outcome.returncode != 0:
-        raise MilesRunError(f"Miles exited with code {outcome.returncode}", outcome)
+        raise MilesJobFailed(f"Miles exited with code {outcome.returncode}", outcome)
     return outcome
 
 

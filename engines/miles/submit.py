@@ -2,6 +2,8 @@
 
     ray job submit --address $RAY_ADDRESS --runtime-env-json '{"env_vars": {...}}' -- python3 <miles>/train.py ...
 
+(`ray` and `python3` are the Site's `ray_cli` and `python`.)
+
 `MILES_SCRIPT_EXTERNAL_RAY` semantics are kept by construction: v4rl never runs Miles' launcher, so nothing
 ever runs `ray stop`, `ray start` or `pkill` (Miles' `execute_train` does all three without that variable,
 and `pkill -9 sglang/miles/redis` even with it: conformance A16). The submitting client follows the job's log
@@ -15,9 +17,6 @@ import json
 
 from engines.profiles.site import Site
 from engines.miles.command import MilesCommand
-
-PYTHON = "python3"
-"""The interpreter on the cluster nodes that runs train.py (Miles' launcher submits `python3`)."""
 
 
 def runtime_env_json(command: MilesCommand) -> str:
@@ -33,8 +32,8 @@ def submit_argv(command: MilesCommand, site: Site) -> list[str]:
 
         raise SiteError("ray_address (RAY_ADDRESS) is unset: the Ray Jobs API of the existing cluster, e.g. "
                         "http://10.0.0.1:8265; set it in the deployment's parameters; nothing was submitted")
-    return ["ray", "job", "submit", "--address", address, "--runtime-env-json", runtime_env_json(command),
-            "--", PYTHON, command.script, *command.argv]
+    return [site.ray_cli, "job", "submit", "--address", address, "--runtime-env-json", runtime_env_json(command),
+            "--", site.python, command.script, *command.argv]
 
 
 def submit_env(site: Site) -> dict[str, str]:

@@ -50,6 +50,11 @@ class Site:
     """NCCL_IB_HCA: the RDMA devices RCCL/NCCL may use (e.g. "rdma0,rdma1,...")."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More cluster-wide variables; they reach every rank through the job's runtime env."""
+    python: str = "python3"
+    """The interpreter that runs train.py on the cluster's nodes (Miles' launcher submits `python3`); a path where
+    the nodes' Python with Miles installed is not the first python3 on PATH."""
+    ray_cli: str = "ray"
+    """The `ray` command this host submits and stops jobs with (a path where it is not on PATH, e.g. a venv's)."""
 
     def ip(self, node: int) -> str:
         if node == 0:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from engines.upstream.rehearsal.job import FULL_ROLLOUTS, Substitution, rehearsal_job
 from engines.upstream.rehearsal.metrics import read_metrics
+from engines.upstream.rehearsal.submitted import submit_miles
 from engines.upstream.rehearsal.weight_check import check_broadcasts, first_differing_tensor
 
 KILL_AFTER_ROLLOUT = 1
@@ -87,7 +88,7 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
             extras["resumed_from"] = {"latest_checkpointed_iteration": iteration}
         kill_when = _KillPoint(save, broadcasts, log_path) if label == "run-1" else None
         error, killed = _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, req.timeout_s,
-                                 log_path, kill_when, log, job.ray)
+                                 log_path, kill_when, log, job.ray, submit=req.submit)
         extras["weight_checks"] += [{"run": label, **c} for c in check_broadcasts(broadcasts, hf)]
         error = error or _run_outcome(label, killed, log_path, extras)
         if error:
@@ -96,8 +97,9 @@ def run_full(req, preset, paths, miles: Path, megatron: Path, impl_args: list[st
 
 
 def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeout, log_path, kill_when, log,
-             ray_resources):
-    """Engine, Ray, Miles' train.py (killed at `kill_when`), then everything stopped; (error, killed)."""
+             ray_resources, submit="driver"):
+    """Engine, Ray, Miles' train.py (killed at `kill_when`; a child of this process, or a Ray job with `submit`
+    ray-job), then everything stopped; (error, killed)."""
     engine = ray = None
     ray_dir = r._ray_temp_dir(work)
     engine_log = work / "engine.log"  # where _run_miles watches for the engine's refusals
@@ -106,13 +108,22 @@ def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeou
     try:
         engine = r._start_engine(hf, engine_port, engine_log)
         log(f"stage full {label}: engine 127.0.0.1:{engine_port}; Ray head 127.0.0.1:{ray_port}")
+        jobs_api = submit == "ray-job"
         try:
-            ray = r.RaySession(ray_dir, port=ray_port, **ray_resources, env=env, log=work / f"ray-{label}.log")
+            ray = r.RaySession(ray_dir, port=ray_port, **ray_resources, env=env, log=work / f"ray-{label}.log",
+                               jobs_api=jobs_api, cwd=work if jobs_api else None)
         except (RuntimeError, TimeoutError) as exc:
             return f"ray: {exc}", False
-        log(f"stage full {label}: Miles' train.py (normal loop, --num-rollout {FULL_ROLLOUTS})")
-        error = r._run_miles(miles, argv, env, work, timeout, log_name=log_path.name, kill_when=kill_when)
-        killed = kill_when is not None and kill_when.fired
+        if jobs_api:
+            log(f"stage full {label}: `ray job submit` of Miles' train.py to {ray.jobs_address} (normal loop, "
+                f"--num-rollout {FULL_ROLLOUTS})")
+            error, killed = submit_miles(miles, argv, env, jobs_address=ray.jobs_address, log_path=log_path,
+                                         run_dir=work / "run", save_dir=work / "save", timeout=timeout,
+                                         engine_log=engine_log, kill_when=kill_when)
+        else:
+            log(f"stage full {label}: Miles' train.py (normal loop, --num-rollout {FULL_ROLLOUTS})")
+            error = r._run_miles(miles, argv, env, work, timeout, log_name=log_path.name, kill_when=kill_when)
+            killed = kill_when is not None and kill_when.fired
         if killed:
             log(f"stage full {label}: killed after rollout {KILL_AFTER_ROLLOUT} was saved and broadcast")
         return error, killed

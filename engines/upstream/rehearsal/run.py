@@ -68,6 +68,10 @@ class RehearsalRequest:
     """Stage train: a directory of Miles' rollout dumps (rollout_<id>.pt) instead of running stage rollout first."""
     dsv4_impl: str | None = None
     """Generation 2: --dsv4-impl miles|megatron (default: the parser's first choice); generation 1 has only miles."""
+    submit: str = "driver"
+    """Stage full: how Miles' train.py runs. driver: as a child of this process (RAY_ADDRESS the local head);
+    ray-job: `ray job submit` to the head's Jobs API through the cluster path's submitter (ClusterRun.submit),
+    Miles' metrics recorded into <work>/run as the cluster run records them (submitted.py)."""
     layout: str = "1"
     """The Megatron actor's layout on Ray logical GPUs (engines/upstream/rehearsal/job.py LAYOUTS): 1 = one GPU, TP/PP/EP 1;
     pp2-ep2 = 4 GPUs, PP 2 x DP 2 and EP 2 (2 of the tiny model's 4 layers per stage, 2 of its 4 experts per rank)."""
@@ -158,6 +162,8 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
         rehearsal_layout(req.layout)
     except ValueError as exc:
         raise RehearsalError(str(exc)) from None
+    if req.submit not in SUBMIT_MODES:
+        raise RehearsalError(f"--submit {req.submit}: use one of {', '.join(SUBMIT_MODES)}")
     miles, megatron, gen = resolve_trees(req)
     given_data = _check_rollout_data(req.rollout_data, ROLLOUT_SIZES["num_rollout"]) if req.rollout_data else None
     impl_args = _impl_args(miles, req.dsv4_impl)
@@ -239,6 +245,8 @@ def _full(req, preset, paths, miles, megatron, impl_args, report, noise, log) ->
 
 
 STAGES = ("rollout", "train", "full")
+SUBMIT_MODES = ("driver", "ray-job")
+"""RehearsalRequest.submit: train.py as this process's child, or submitted to the head's Jobs API."""
 MILES_LOGS = {"rollout": "miles.log", "train": "miles-train.log"}
 """Miles' driver log of each stage, under the work dir."""
 TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/tis",
