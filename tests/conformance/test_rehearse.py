@@ -117,6 +117,17 @@ def test_port_in_use_names_the_flag():
             free_port(held.getsockname()[1], "--engine-port")
 
 
+def test_too_little_memory_for_the_layout_is_one_line_before_anything_starts(monkeypatch, tmp_path):
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=2 * 2**30))
+    with pytest.raises(RehearsalError, match=r"--layout pp2-ep2: .*6.6 GiB .* 2.0 GiB available; free memory, or use "
+                                             r"--layout 1$"):
+        rehearse(RehearsalRequest(stage="full", layout="pp2-ep2", work_dir=str(tmp_path / "work")))
+    assert not (tmp_path / "work").exists()
+
+
 def test_unknown_stage_is_refused():
     with pytest.raises(RehearsalError, match="--stage all: not a stage; use one of rollout, train, full"):
         rehearse(RehearsalRequest(stage="all"))

@@ -50,6 +50,9 @@ class RehearsalLayout:
     """The actor's ranks (logical GPUs): TP x PP x CP x DP, and a multiple of ETP x EP x PP (Megatron's rule)."""
     why: str
     """What the layout rehearses (the substitution rows' reason)."""
+    memory_gib: float = 5.1
+    """Memory a rehearsal at this layout needs at its peak (stage full, the largest): the summed proportional set
+    size of every process it starts, as measured (docs/rehearsal.md); less available refuses it before it starts."""
 
     def __post_init__(self) -> None:
         p = self.parallel
@@ -63,10 +66,12 @@ LAYOUTS = {
     "pp2-ep2": RehearsalLayout(ParallelSpec(tp=1, pp=2, ep=2, etp=1, cp=1), 4,
                                "layout pp2-ep2: 4 logical GPUs, PP 2 x DP 2 (2 of the tiny model's 4 layers per "
                                "stage), EP 2 (2 of its 4 experts per rank): the seed's PP and EP axes at the size "
-                               "the tiny model splits"),
+                               "the tiny model splits", memory_gib=6.6),
 }
 """The rehearsal's actor layouts, by `--layout` name. The cluster's own (the seed's PP4 with a 10-layer last stage,
-EP 4) cannot split the tiny model's 4 layers and 4 experts, so each is a substitution row."""
+EP 4) cannot split the tiny model's 4 layers and 4 experts, so each is a substitution row. Memory: layout 1's 5.1 GiB
+is stage full's measured peak summed PSS (7.4 GiB summed RSS, 2026-12-07); pp2-ep2's 6.6 GiB is its measured peak
+summed RSS (8.7-9.7 GiB) at the same PSS/RSS ratio, an estimate."""
 
 
 def rehearsal_layout(name: str) -> RehearsalLayout:

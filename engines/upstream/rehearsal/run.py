@@ -135,6 +135,18 @@ def free_port(port: int, what: str) -> int:
         return s.getsockname()[1]
 
 
+def _require_memory(layout: str, needed_gib: float) -> None:
+    """One line, before anything starts, when this machine has less memory available than the layout needs."""
+    import psutil
+
+    available = psutil.virtual_memory().available / 2**30
+    if available < needed_gib:
+        other = "" if layout == "1" else ", or use --layout 1"
+        raise RehearsalError(f"--layout {layout}: a rehearsal needs about {needed_gib:g} GiB at its peak (stage full, "
+                             f"docs/rehearsal.md) and this machine has {available:.1f} GiB available; free memory"
+                             f"{other}")
+
+
 def rehearsal_prompts() -> list[str]:
     """The prompts of the rehearsal's first rollout (--rollout-batch-size of them, Miles' prompt order)."""
     rows = TRAIN_DATA.read_text().splitlines()[:ROLLOUT_SIZES["rollout_batch_size"]]
@@ -159,11 +171,12 @@ def rehearse(req: RehearsalRequest, *, preset=None, log=print) -> RehearsalRepor
 
     preset = preset or SEED_RUN
     try:
-        rehearsal_layout(req.layout)
+        layout = rehearsal_layout(req.layout)
     except ValueError as exc:
         raise RehearsalError(str(exc)) from None
     if req.submit not in SUBMIT_MODES:
         raise RehearsalError(f"--submit {req.submit}: use one of {', '.join(SUBMIT_MODES)}")
+    _require_memory(req.layout, layout.memory_gib)
     miles, megatron, gen = resolve_trees(req)
     given_data = _check_rollout_data(req.rollout_data, ROLLOUT_SIZES["num_rollout"]) if req.rollout_data else None
     impl_args = _impl_args(miles, req.dsv4_impl)
