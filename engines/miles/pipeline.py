@@ -30,7 +30,7 @@ from typing import Any
 
 from engines.profiles.site import Site
 from engines.miles.checkpoints import list_checkpoints
-from engines.miles.command import MilesJob
+from engines.miles.command import MilesCommand, MilesJob
 from engines.miles.jobs import eval_only_argv, flag_values, run_argv
 from engines.miles.results import MilesRecorder, MilesResultsError
 from engines.miles.runner import (MilesOutcome, MilesRunError, PreparedJob, prepare_job, run_miles,
@@ -62,9 +62,16 @@ class ClusterRun:
     """An SGLang server serving hf_checkpoint for the alignment gate; None: launch one here (a GPU host)."""
     idle_timeout_s: float = 3600.0
     """Kill a job that prints nothing this long (a stalled collective), and stop its Ray job."""
+    adapt: Callable[[MilesCommand], MilesCommand] | None = None
+    """Applied to every built command before it is checked or submitted: the rehearsal's CPU substitutions
+    (engines/upstream/rehearsal/cluster_run.py); None on a cluster."""
 
     def prepare(self) -> PreparedJob:
-        return prepare_job(self.preset, self.job, site=self.site, overrides=self.overrides)
+        prepared = prepare_job(self.preset, self.job, site=self.site, overrides=self.overrides)
+        if self.adapt is None:
+            return prepared
+        command = self.adapt(prepared.command)
+        return dataclasses.replace(prepared, command=command, submit_argv=submit_argv(command, self.site))
 
     def recorder(self, argv: list[str], **kwargs: Any) -> MilesRecorder:
         """A recorder set up from the job's own flags: eval datasets, samples per eval prompt, steps per rollout."""

@@ -115,6 +115,8 @@ def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeou
         except (RuntimeError, TimeoutError) as exc:
             return f"ray: {exc}", False
         if jobs_api:
+            if kill_when is not None:
+                kill_when.read_driver_log_in(ray_dir / "session_latest" / "logs")
             log(f"stage full {label}: `ray job submit` of Miles' train.py to {ray.jobs_address} (normal loop, "
                 f"--num-rollout {FULL_ROLLOUTS})")
             error, killed = submit_miles(miles, argv, env, jobs_address=ray.jobs_address, log_path=log_path,
@@ -143,11 +145,22 @@ class _KillPoint:
     def __init__(self, save: Path, broadcasts: Path, log_path: Path) -> None:
         self.save, self.log_path, self.fired = save, log_path, False
         self.record = broadcasts / f"broadcast-v{KILL_AFTER_ROLLOUT + 2}.json"
+        self.driver_logs: Path | None = None
+
+    def read_driver_log_in(self, logs: Path) -> None:
+        """Read the evals from the Ray job driver's own log in `logs` (Ray's session logs/job-driver-*.log, written
+        as the driver prints): the streamed copy `ray job submit` writes lags it by seconds under load, in which
+        Miles may already train the next rollout."""
+        self.driver_logs = logs
+
+    def _evals(self) -> int:
+        if self.driver_logs is None:
+            return len(read_metrics(self.log_path).evals)
+        return max((len(read_metrics(log).evals) for log in self.driver_logs.glob("job-driver-*.log")), default=0)
 
     def __call__(self) -> bool:
         self.fired = self.fired or ((latest_iteration(self.save) or -1) >= KILL_AFTER_ROLLOUT
-                                    and self.record.is_file()
-                                    and len(read_metrics(self.log_path).evals) >= KILL_AFTER_ROLLOUT + 2)
+                                    and self.record.is_file() and self._evals() >= KILL_AFTER_ROLLOUT + 2)
         return self.fired
 
 

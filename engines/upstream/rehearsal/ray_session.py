@@ -62,7 +62,6 @@ class RaySession:
             cmd += ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1"]
             cmd += [item for flag, free in zip(JOBS_API_PORT_FLAGS, ports) for item in (flag, str(free))]
             self.jobs_address = f"http://127.0.0.1:{ports[0]}"
-            self._agent_port = ports[1]
         else:
             cmd += ["--include-dashboard", "false"]
         self._log = log.open("w")
@@ -87,19 +86,25 @@ class RaySession:
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
                 raise RuntimeError(f"`ray start` exited with {self.process.returncode}: {tail[0]}")
             time.sleep(0.5)
-        raise TimeoutError(f"Ray did not start within {START_TIMEOUT_S:.0f}s (log: {log})")
+        what = "Ray" if self.jobs_address is None else "Ray with its Jobs API (the dashboard's agent registered)"
+        raise TimeoutError(f"{what} did not start within {START_TIMEOUT_S:.0f}s (log: {log})")
 
     def _jobs_api_ready(self) -> bool:
-        """True without a Jobs API; else once the dashboard answers and its agent listens (a submit before the agent
-        has registered is refused: "No available agent to submit job")."""
+        """True without a Jobs API; else once the dashboard answers and its agent has registered in the GCS (what
+        the Jobs API looks up, for 10 s, before it refuses a submit: "No available agent to submit job")."""
         if self.jobs_address is None:
             return True
+        from ray._private.ray_constants import KV_NAMESPACE_DASHBOARD
+        from ray._raylet import GcsClient
+        from ray.dashboard.consts import DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX
+
         try:
-            with socket.create_connection(("127.0.0.1", self._agent_port), timeout=1):
-                pass
             with urllib.request.urlopen(f"{self.jobs_address}/api/version", timeout=2):
-                return True
-        except OSError:
+                pass
+            gcs = GcsClient(address=self.address)
+            return bool(gcs.internal_kv_keys(DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX.encode(),
+                                             namespace=KV_NAMESPACE_DASHBOARD, timeout=5))
+        except Exception:  # not up yet (connection refused, a GCS RPC timeout): the wait goes on, bounded
             return False
 
     def stop(self) -> None:
