@@ -15,7 +15,6 @@ substitution applied and listed); everything it started is stopped when the bloc
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,12 +82,7 @@ def rehearsal_cluster_run(preset, work: Path, *, miles_dir: str | None = None, m
         yield ClusterRun(preset=preset.name, job=job, site=site, run_dir=str(work / "run"),
                          eval_interval=eval_interval, adapt=adapt)
     finally:
-        if ray is not None:
-            ray.stop()
-        if engine is not None:
-            r._stop(engine)
-        if not ray_dir.is_relative_to(work):
-            shutil.rmtree(ray_dir, ignore_errors=True)
+        r.stop_session(ray, engine, ray_dir, work)
 
 
 @dataclasses.dataclass(frozen=True)

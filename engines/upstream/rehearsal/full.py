@@ -130,12 +130,7 @@ def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeou
             log(f"stage full {label}: killed after rollout {KILL_AFTER_ROLLOUT} was saved and broadcast")
         return error, killed
     finally:
-        if ray is not None:
-            ray.stop()
-        if engine is not None:
-            r._stop(engine)
-        if not ray_dir.is_relative_to(work):
-            shutil.rmtree(ray_dir, ignore_errors=True)
+        r.stop_session(ray, engine, ray_dir, work)
 
 
 class _KillPoint:

@@ -306,13 +306,18 @@ def _run_stage(stage: str, req: RehearsalRequest, preset, paths: RehearsalPaths,
         log(f"stage {stage}: Miles {miles.name} (generation {report.generation}): train.py {' '.join(argv[-6:])} ...")
         error = _run_miles(miles, argv, env, work, req.timeout_s, log_name=MILES_LOGS[stage])
     finally:
-        if ray is not None:
-            ray.stop()
-        if engine is not None:
-            _stop(engine)
-        if not ray_dir.is_relative_to(work):
-            shutil.rmtree(ray_dir, ignore_errors=True)
+        stop_session(ray, engine, ray_dir, work)
     return (f"stage {stage}: {error}" if error else None), round(time.monotonic() - t0, 1)
+
+
+def stop_session(ray: RaySession | None, engine: subprocess.Popen | None, ray_dir: Path, work: Path) -> None:
+    """Stop what a stage started (its Ray head, then v4rl's engine) and remove a Ray temp dir kept outside `work`."""
+    if ray is not None:
+        ray.stop()
+    if engine is not None:
+        _stop(engine)
+    if not ray_dir.is_relative_to(work):
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _stage_env(stage: str, job_env: dict, miles: Path, megatron: Path, ray_port: int) -> dict[str, str]:
