@@ -22,11 +22,11 @@ def _kill_after_rollout_1(run, stop: threading.Event) -> None:
     from pathlib import Path
 
     from engines.upstream.rehearsal.full import latest_iteration
-    from engines.upstream.rehearsal.submitted import _kill_driver
+    from engines.upstream.rehearsal.submitted import kill_job_driver
 
     save, broadcast = Path(run.job.save_dir), Path(run.job.log_dir) / "broadcasts" / "broadcast-v3.json"
     while not stop.wait(0.2):
-        if (latest_iteration(save) or -1) >= 1 and broadcast.is_file() and _kill_driver(run.adapt.mark):
+        if (latest_iteration(save) or -1) >= 1 and broadcast.is_file() and kill_job_driver(run.adapt.mark):
             return
 
 

@@ -8,7 +8,7 @@ its agent's HTTP and gRPC ports, the metrics export, the runtime-env agent, the 
 defaults (52365, 8265, ...) collide with any other Ray on the machine, and its agent then never registers, so a
 submit fails with "No available agent to submit job".
 
-    ray = RaySession(work / "ray", port=free_port(0), num_gpus=2, num_cpus=4, env=env, log=work / "ray.log",
+    ray = RaySession(work / "ray", port=free_port(0, "ray"), num_gpus=2, num_cpus=4, env=env, log=work / "ray.log",
                      jobs_api=True)
     ray.jobs_address   # http://127.0.0.1:<port>
     ray.stop()"""

@@ -62,7 +62,7 @@ def submit_miles(miles: Path, argv: list[str], env: dict[str, str], *, jobs_addr
             if refusal:  # Miles retries a refused request for a minute: stop now and say why
                 stop.request(f"v4rl's engine refused Miles' request: {refusal} (engine log: {engine_log})")
                 return
-            if kill_when is not None and kill_when() and _kill_driver(mark):
+            if kill_when is not None and kill_when() and kill_job_driver(mark):
                 killed.set()
                 return
 
@@ -85,7 +85,7 @@ def submit_miles(miles: Path, argv: list[str], env: dict[str, str], *, jobs_addr
         watcher.join(5)
 
 
-def _kill_driver(mark: str) -> bool:
+def kill_job_driver(mark: str) -> bool:
     """SIGKILL the process group of the job's driver, the train.py process whose environment carries `mark`; False
     while there is none (not started yet: the watch tries again)."""
     import psutil
