@@ -49,7 +49,7 @@ LONGEST_FIRST = (
     "conformance/test_miles_derived_jobs.py", "test_train_run.py", "test_train_stop.py", "test_secret_scan.py",
     "conformance/test_miles_model.py", "conformance/test_miles_engine_methods.py", "test_convert.py",
     "test_e2e_bench.py", "conformance/test_sglang_model.py", "conformance/test_miles_external_engine.py",
-    "test_miles_pipeline.py", "test_pipeline_resume.py",
+    "test_miles_pipeline.py", "test_pipeline_resume.py", "test_rehearsal_ray_job.py",
 )
 
 
