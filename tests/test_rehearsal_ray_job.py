@@ -8,6 +8,8 @@ cases (what arrives, a killed driver, a timeout) need seconds. One Ray head serv
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +36,12 @@ def head(tmp_path_factory):
     from engines.upstream.rehearsal.run import free_port
 
     work = tmp_path_factory.mktemp("head")
-    ray = RaySession(Path("/tmp") / f"v4rl-rj-{work.name[-6:]}", port=free_port(0, "ray"), num_gpus=1, num_cpus=2,
-                     env={}, log=work / "ray.log", jobs_api=True, cwd=work)
+    ray_dir = Path(tempfile.mkdtemp(prefix="v4rl-rj-", dir="/tmp"))  # short: Ray's socket paths live under it
+    ray = RaySession(ray_dir, port=free_port(0, "ray"), num_gpus=1, num_cpus=2, env={}, log=work / "ray.log",
+                     jobs_api=True, cwd=work)
     yield ray
     ray.stop()
+    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _miles(tmp_path: Path) -> Path:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,8 +26,8 @@ def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     port = free_port()
-    head = RaySession(_ray_temp_dir(tmp_path / "work"), port=port, num_gpus=2, num_cpus=1, env={},
-                      log=tmp_path / "ray.log")
+    ray_dir = _ray_temp_dir(tmp_path / "work")  # under /tmp when tmp_path is too long for Ray's sockets
+    head = RaySession(ray_dir, port=port, num_gpus=2, num_cpus=1, env={}, log=tmp_path / "ray.log")
     try:
         driver = subprocess.run(
             [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}'); "
@@ -34,5 +35,6 @@ def test_a_driver_connects_though_home_holds_a_ray_auth_token(tmp_path, monkeypa
             env={**os.environ, **LOCAL_RAY_ENV}, capture_output=True, text=True, timeout=120)
     finally:
         head.stop()
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert driver.returncode == 0, driver.stderr[-2000:]
     assert driver.stdout.strip().splitlines()[-1] == "2.0"
