@@ -1,7 +1,7 @@
 """The cluster path's training step, `train_run` (engines/miles/pipeline.py), driving Miles' own train.py as ONE
 `ray job submit` to a local Ray head (engines/upstream/rehearsal/cluster_run.py): a job whose driver is killed
 after rollout 1 fails retryably, and the task's retry resumes it from --load, each rollout trained and each
-evaluation recorded once. Slow (two Miles jobs on 2 cores, about 5 minutes); `-m slow`.
+evaluation recorded once. Slow (two Miles jobs: 141 s on the idle 2 cores); `-m slow`.
 
     .venv/bin/python -m pytest tests/conformance/test_rehearsal_cluster_run.py -m slow -q
 """
