@@ -44,6 +44,7 @@ def test_run_eval_only_and_align_jobs():
     assert flag_values(base, "--save") is None and flag_values(base, "--eval-prompt-data") == ["aime",
                                                                                                 "/data/aime-2024.jsonl"]
     assert flag_values(base, "--ref-load") == ["/ckpt/torch_dist"] and flag_values(base, "--log-passrate") == []
+    assert flag_values(base, "--lr-decay-iters") == ["1"]  # Megatron's scheduler asserts a positive length
     later = eval_only_argv(TRAIN, checkpoint_dir="/save", iteration=19)  # step 20: iter_0000019, tracker untouched
     assert (flag_values(later, "--ref-load"), flag_values(later, "--ref-ckpt-step")) == (["/save"], ["19"])
     assert flag_values(later, "--load") is None

@@ -93,7 +93,11 @@ def eval_only_argv(train_argv: Sequence[str], *, checkpoint_dir: str | None = No
                    iteration: int | None = None) -> list[str]:
     """Miles' evaluation of one checkpoint: --ref-load (step 0) when `checkpoint_dir` is None, else iteration
     `iteration` of a save directory, loaded as Miles loads a reference (`--ref-load DIR --ref-ckpt-step N`, no
-    --load: arguments.py:3047-3058), so no tracker is read or changed."""
+    --load: arguments.py:3047-3058), so no tracker is read or changed. `--lr-decay-iters 1`: Miles sizes the LR
+    schedule from --num-rollout (model.py get_optimizer_param_scheduler: train_iters = num_rollout x ...), so with 0
+    Megatron's OptimizerParamScheduler fails its `lr_decay_steps > 0` assertion as the actor starts, before any
+    evaluation (found by running this job against Miles 31f1ca961 on a local Ray head); nothing trains, so the
+    schedule's length is moot."""
     if flag_values(train_argv, "--eval-prompt-data") is None and flag_values(train_argv, "--eval-config") is None:
         raise ValueError("the training job has no --eval-prompt-data: Miles has nothing to evaluate on; give the "
                          "eval dataset (eval_data) to the job")
@@ -101,7 +105,7 @@ def eval_only_argv(train_argv: Sequence[str], *, checkpoint_dir: str | None = No
         raise ValueError("give both checkpoint_dir and iteration (a saved iter_XXXXXXX), or neither for --ref-load")
     argv = without_flags(train_argv, CHECKPOINT_FLAGS + ("--skip-eval-before-train", "--num-epoch", "--ref-ckpt-step"))
     where = {"ref_load": checkpoint_dir, "ref_ckpt_step": iteration} if checkpoint_dir is not None else {}
-    return with_flags(argv, num_rollout=0, log_passrate=True, **where)
+    return with_flags(argv, num_rollout=0, log_passrate=True, lr_decay_iters=1, **where)
 
 
 def align_argv(train_argv: Sequence[str], *, rollout_data: str, train_dump: str, n_prompts: int) -> list[str]:

@@ -1,6 +1,6 @@
 """The cluster path's own `ClusterRun` on this machine: the preset's Miles job, with the rehearsal's CPU
-substitutions, submitted by engines/miles/pipeline.py's `train_run` to a local Ray head's Jobs API, v4rl's engine
-serving as the job's external SGLang (`evaluate_step` and the alignment gate's job would go through the same
+substitutions, submitted by engines/miles/pipeline.py's `train_run` and `evaluate_step` to a local Ray head's Jobs
+API, v4rl's engine serving as the job's external SGLang (the alignment gate's job would go through the same
 `ClusterRun.prepare`; not run here yet).
 
 `rehearsal_cluster_run` sets up what a cluster provides (the tiny FP8-expert checkpoint as `hf_checkpoint`, v4rl's
@@ -32,7 +32,7 @@ from engines.upstream.rehearsal.submitted import JOB_MARK
 def rehearsal_command(command: MilesCommand, *, preset, paths: RehearsalPaths, engine_addr: str, context_length: int,
                       layout: str, impl_args: list[str], env: dict[str, str], mark: str) -> MilesCommand:
     """The rehearsal's job (stage full) of `preset` in place of the cluster's built `command` (ClusterRun.prepare
-    adapts the job before train_run sets its per-submission flags on it: --num-rollout,
+    adapts the job before train_run / evaluate_step set their per-submission flags on it: --num-rollout,
     --skip-eval-before-train, ...), with the stage's environment (the bootstrap first on PYTHONPATH) as every
     rank's runtime env."""
     job = rehearsal_job(preset, paths, engine_addr=engine_addr, stage="full", context_length=context_length,
