@@ -52,7 +52,7 @@ def _miles(tmp_path: Path) -> Path:
 
 
 def _submit(head, tmp_path, env, **kwargs):
-    return submit_miles(_miles(tmp_path), [], env, jobs_address=head.jobs_address, log_path=tmp_path / "miles.log",
+    return submit_miles(_miles(tmp_path), [], env, ray=head, log_path=tmp_path / "miles.log",
                         run_dir=tmp_path / "run", save_dir=tmp_path / "save", **kwargs)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import typer
 
+from bench.e2e_arms import ARMS as E2E_ARMS
+
 BENCHES = {"convert": "bench.convert", "rollout": "bench.rollout", "train": "bench.train", "e2e": "bench.e2e",
            "learning": "bench.learning"}
 STEPS_BENCHES = ("e2e", "learning")
@@ -35,8 +37,7 @@ def register(app: typer.Typer) -> None:
                                         help="GRPO steps per side (e2e: default 20) or per run (learning: 30)."),
               arms: str = typer.Option(None, "--arms", help="learning and e2e: comma list of arms (learning, default "
                                        "all: bf16-tis, fp8-none, fp8-tis, fp8-icepop, fp8-geo-mask, fp8-opsm, "
-                                       "fp8-r3-tis; e2e, default v4rl only: bf16-rollout, no-fake-quant, "
-                                       "no-correction, full-sequences, one-micro-batch, trl-eps, trl-like)."),
+                                       f"fp8-r3-tis; e2e, default v4rl only: {', '.join(E2E_ARMS[1:])})."),
               seeds: int = typer.Option(None, "--seeds", min=1,
                                         help="learning and e2e: seeds per arm (learning default 3, e2e 1)."),
               prompts_per_step: int = typer.Option(None, "--prompts-per-step", min=1,

@@ -16,17 +16,15 @@ substitution applied and listed); everything it started is stopped when the bloc
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from engines.miles.command import MilesCommand, MilesJob
 from engines.miles.pipeline import ClusterRun
-from engines.profiles.site import Site
 from engines.upstream.rehearsal.job import RehearsalPaths, rehearsal_job
-from engines.upstream.rehearsal.ray_session import RAY_CLI, RaySession
-from engines.upstream.rehearsal.submitted import JOB_MARK
+from engines.upstream.rehearsal.ray_session import RaySession
+from engines.upstream.rehearsal.submitted import job_env
 
 
 def rehearsal_command(command: MilesCommand, *, preset, paths: RehearsalPaths, engine_addr: str, context_length: int,
@@ -37,8 +35,7 @@ def rehearsal_command(command: MilesCommand, *, preset, paths: RehearsalPaths, e
     rank's runtime env."""
     job = rehearsal_job(preset, paths, engine_addr=engine_addr, stage="full", context_length=context_length,
                         layout=layout)
-    runtime_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # Ray gives the driver its head's address
-    return dataclasses.replace(command, argv=job.argv + impl_args, env={**runtime_env, JOB_MARK: mark})
+    return dataclasses.replace(command, argv=job.argv + impl_args, env=job_env(env, mark))
 
 
 @contextmanager
@@ -74,14 +71,12 @@ def rehearsal_cluster_run(preset, work: Path, *, miles_dir: str | None = None, m
         ray = RaySession(ray_dir, port=ray_port, **probe.ray, env=env, log=work / "ray.log", jobs_api=True, cwd=work)
         log(f"local cluster: v4rl's engine 127.0.0.1:{engine_port}, Ray head {ray.address} (Jobs API "
             f"{ray.jobs_address}), Miles {miles} (generation {gen})")
-        site = Site(ray_address=ray.jobs_address, master_addr="127.0.0.1", socket_ifname="lo", ib_hca="none",
-                    python=sys.executable, ray_cli=str(RAY_CLI))
         job = MilesJob(run_id="miles", hf_checkpoint=str(hf), ref_load=str(work / "ref"), save_dir=str(work / "save"),
                        miles_dir=str(miles), megatron_dir=str(megatron), data_dir=str(work / "data"),
                        log_dir=str(work))
         adapt = _Adapt(preset, paths, f"127.0.0.1:{engine_port}", r._context_length(hf), layout, impl_args, env,
                        uuid.uuid4().hex)
-        yield ClusterRun(preset=preset.name, job=job, site=site, run_dir=str(work / "run"),
+        yield ClusterRun(preset=preset.name, job=job, site=ray.site(), run_dir=str(work / "run"),
                          eval_interval=eval_interval, adapt=adapt)
     finally:
         r.stop_session(ray, engine, ray_dir, work)

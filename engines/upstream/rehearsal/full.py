@@ -119,7 +119,7 @@ def _one_run(r, label, miles, argv, env, work, hf, engine_port, ray_port, timeou
                 kill_when.read_driver_log_in(ray_dir / "session_latest" / "logs")
             log(f"stage full {label}: `ray job submit` of Miles' train.py to {ray.jobs_address} (normal loop, "
                 f"--num-rollout {FULL_ROLLOUTS})")
-            error, killed = submit_miles(miles, argv, env, jobs_address=ray.jobs_address, log_path=log_path,
+            error, killed = submit_miles(miles, argv, env, ray=ray, log_path=log_path,
                                          run_dir=work / "run", save_dir=work / "save", timeout=timeout,
                                          engine_log=engine_log, kill_when=kill_when)
         else:

@@ -23,8 +23,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engines.train.cluster import LOCAL_RAY_ENV
+
+if TYPE_CHECKING:
+    from engines.profiles.site import Site
 
 START_TIMEOUT_S = 120.0
 RAY_CLI = Path(sys.executable).with_name("ray")
@@ -88,6 +92,16 @@ class RaySession:
             time.sleep(0.5)
         what = "Ray" if self.jobs_address is None else "Ray with its Jobs API (the dashboard's agent registered)"
         raise TimeoutError(f"{what} did not start within {START_TIMEOUT_S:.0f}s (log: {log})")
+
+    def site(self) -> "Site":
+        """The cluster path's Site for this head's Jobs API: this venv's `ray` and interpreter, rendezvous and every
+        interface on loopback (what Site.require asks of a GPU profile, satisfied for a machine without a fabric)."""
+        from engines.profiles.site import Site
+
+        if self.jobs_address is None:
+            raise RuntimeError("this Ray session was started without its Jobs API (jobs_api=True)")
+        return Site(ray_address=self.jobs_address, master_addr="127.0.0.1", socket_ifname="lo", ib_hca="none",
+                    python=sys.executable, ray_cli=str(RAY_CLI))
 
     def _jobs_api_ready(self) -> bool:
         """True without a Jobs API; else once the dashboard answers and its agent has registered in the GCS (what

@@ -6,7 +6,7 @@ stop or a timeout). The rehearsal's own watches run beside it: the engine's firs
 naming the refusal, and stage full's kill point SIGKILLs the job's driver, its process group with it (a crash:
 no handler of Miles runs, and Ray marks the job failed, as when the driver's node dies).
 
-    error, killed = submit_miles(miles, argv, env, jobs_address=ray.jobs_address, log_path=work / "miles.log",
+    error, killed = submit_miles(miles, argv, env, ray=ray, log_path=work / "miles.log",
                                  run_dir=work / "run", save_dir=work / "save", timeout=900, kill_when=kill_point)
 """
 
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.upstream.rehearsal.ray_session import RAY_CLI
+from engines.upstream.rehearsal.ray_session import RaySession
 
 WATCH_S = 0.5
 """How often the kill point and the engine's log are looked at while the job runs."""
@@ -28,25 +27,28 @@ JOB_MARK = "V4RL_REHEARSAL_JOB"
 """A runtime-env variable naming one submitted job: how its driver process is found to be killed."""
 
 
-def submit_miles(miles: Path, argv: list[str], env: dict[str, str], *, jobs_address: str, log_path: Path,
+def job_env(env: dict[str, str], mark: str) -> dict[str, str]:
+    """A marked job's runtime env: `env` with JOB_MARK, without RAY_ADDRESS (Ray gives the driver its head's)."""
+    return {**{k: v for k, v in env.items() if k != "RAY_ADDRESS"}, JOB_MARK: mark}
+
+
+def submit_miles(miles: Path, argv: list[str], env: dict[str, str], *, ray: RaySession, log_path: Path,
                  run_dir: Path, save_dir: Path, timeout: float, engine_log: Path | None = None,
                  kill_when: Callable[[], bool] | None = None) -> tuple[str | None, bool]:
-    """Submit `python <miles>/train.py argv` with `env` in its runtime env to the Jobs API at `jobs_address` and
+    """Submit `python <miles>/train.py argv` with `env` in its runtime env to the Jobs API of `ray` and
     follow it to its end; (Miles' error line or None, whether `kill_when` fired and the driver was killed)."""
     from engines.miles.checkpoints import prepare_resume
     from engines.miles.command import MilesCommand, MilesJob
     from engines.miles.pipeline import ClusterRun
     from engines.miles.runner import MilesJobFailed, MilesRunError, PreparedJob
     from engines.miles.submit import submit_argv, submit_env
-    from engines.profiles.site import Site
     from engines.runs.stopping import StopRequest
     from engines.upstream import sources as src
     from engines.upstream.rehearsal.run import _RefusalWatch, _miles_frame
 
-    site = Site(ray_address=jobs_address, master_addr="127.0.0.1", python=sys.executable, ray_cli=str(RAY_CLI))
+    site = ray.site()
     mark = uuid.uuid4().hex
-    runtime_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # Ray gives the driver its own (the head's)
-    command = MilesCommand(argv=list(argv), env={**runtime_env, JOB_MARK: mark}, miles_dir=str(miles))
+    command = MilesCommand(argv=list(argv), env=job_env(env, mark), miles_dir=str(miles))
     job = MilesJob(run_id=log_path.stem, hf_checkpoint="", ref_load="", save_dir=str(save_dir), miles_dir=str(miles),
                    log_dir=str(log_path.parent))
     run = ClusterRun(preset="", job=job, site=site, run_dir=str(run_dir), eval_interval=1, idle_timeout_s=timeout)
