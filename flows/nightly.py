@@ -2,9 +2,11 @@
 the history of earlier nights of the same preset kept in the artifact store (rl/verdict.py). Ends Failed with
 the reasons on a regression, Completed otherwise; the verdict is a markdown artifact and `nightly.json` in the
 run. tiny-cpu by default; a GPU preset validates the cluster path (Miles' metrics and evaluations, read back
-into the same run directory, are judged the same way).
+into the same run directory, are judged the same way), and cluster-rehearsal validates it on this host: the
+user's Miles checkout running the seed's job every night, every step real (docs/cluster.md).
 
     prefect deployment run 'nightly-validation/nightly'
+    prefect deployment run 'nightly-validation/cluster-rehearsal'
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from flows.rl_pipeline import rl_pipeline
 
 NIGHTLY_RUN = SHORT_RUNS["nightly"]
 """The validation run: the preset with a few steps (engines/presets/runs.py SHORT_RUNS, an override of tiny-cpu)."""
+OWN_NUMBERS = ("cluster-rehearsal",)
+"""Presets already the size of a validation run, validated with their own numbers (cluster-rehearsal: 3 rollouts of
+Miles' job on this host's CPU; NIGHTLY_RUN's 32 prompts a step would take it an hour)."""
 HISTORY_PREFIX = "runs/"
 RECORD = "nightly.json"
 
@@ -33,16 +38,23 @@ class NightlyParams(FlowParams):
     """Bad values fail before anything runs, naming the parameter; an unknown one names the closest (FlowParams)."""
 
     preset: str = Field("tiny-cpu", description="Run preset of the validation run; history is compared per preset.")
-    steps: int = Field(NIGHTLY_RUN["steps"], ge=1, description="GRPO steps of the validation run.")
-    eval_interval: int = Field(NIGHTLY_RUN["eval_interval"], ge=1)
-    prompts_per_step: int = Field(NIGHTLY_RUN["prompts_per_step"], ge=1)
-    n_eval: int = Field(NIGHTLY_RUN["n_eval"], ge=1)
+    steps: int | None = Field(None, ge=1, description="GRPO steps of the validation run; empty: the preset's "
+                                                      "validation run (NIGHTLY_RUN, or its own numbers: OWN_NUMBERS).")
+    eval_interval: int | None = Field(None, ge=1)
+    prompts_per_step: int | None = Field(None, ge=1)
+    n_eval: int | None = Field(None, ge=1)
     runs_root: str | None = Field(None, description="Default: the repo's runs/ directory.")
     store_url: str = Field("", description="Artifact store holding the history (file:// or s3://).")
     s3_endpoint_url: str | None = None
     s3_secret_block: str | None = None
     min_history: int = Field(3, ge=1, description="Earlier nights needed before pass@1 is judged.")
     date: str | None = Field(None, description="Night to record (YYYY-MM-DD); default: today (UTC).")
+
+    def numbers(self) -> dict:
+        """The validation run's numbers: those given over the preset's validation run (NIGHTLY_RUN; the preset's own
+        for OWN_NUMBERS)."""
+        given = {k: getattr(self, k) for k in NIGHTLY_RUN if getattr(self, k) is not None}
+        return {**({} if self.preset in OWN_NUMBERS else NIGHTLY_RUN), **given}
 
     @field_validator("preset")
     @classmethod
@@ -83,9 +95,7 @@ def nightly_validation(params: NightlyParams = NightlyParams()):
     from tasks.upload import upload_artifacts
 
     night = params.date or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    overrides = {k: v for k, v in dict(steps=params.steps, eval_interval=params.eval_interval,
-                                      prompts_per_step=params.prompts_per_step, n_eval=params.n_eval,
-                                      runs_root=params.runs_root, store_url=params.store_url,
+    overrides = {k: v for k, v in dict(**params.numbers(), runs_root=params.runs_root, store_url=params.store_url,
                                       s3_endpoint_url=params.s3_endpoint_url,
                                       s3_secret_block=params.s3_secret_block).items() if v is not None}
     pipeline = PipelineParams.preset_defaults(params.preset, run_key=f"nightly-{night}", **overrides)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,11 @@ PRESET_PARAMS: dict[str, dict] = {
     name: {**{k: v for k, v in run_numbers(name).items() if k in FORM_NUMBERS},
            "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8", "rehearse": get_run_preset(name).miles.rehearse}
     for name in ("dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu")}
+PRESET_PARAMS["cluster-rehearsal"] = {
+    **{k: v for k, v in run_numbers("cluster-rehearsal").items() if k in FORM_NUMBERS}, "rehearse": None,
+    "hf_checkpoint": "", "align_prompts": 2}
+"""cluster-rehearsal: its checkpoint is the tiny Miles-legal model the flow writes into the run directory (empty:
+<run_dir>/local-cluster/hf-fp8-experts), and 2 gate prompts (Megatron rescores them on this host's CPU)."""
 """Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
 own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
 _REHEARSE_DOC = field_docs("engines.presets.spec", "MilesSettings")["rehearse"]
@@ -66,9 +72,12 @@ class PipelineParams(FlowParams):
 
     Bad values fail before anything runs, naming the parameter and the fix (an unknown one: FlowParams)."""
 
-    preset: Literal["tiny-cpu", "dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu"] = Field(
+    preset: Literal["tiny-cpu", "dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu",
+                    "cluster-rehearsal"] = Field(
         "tiny-cpu", description="tiny-cpu runs here end to end; the dsv4-flash-mi355x presets run Miles on an existing "
-                                "Ray cluster of MI355X (the seed's 2 + 2 nodes, or Miles' own 1-node / 32-GPU layouts).")
+                                "Ray cluster of MI355X (the seed's 2 + 2 nodes, or Miles' own 1-node / 32-GPU "
+                                "layouts); cluster-rehearsal runs the seed's Miles job, every step real, on a Ray head "
+                                "this flow starts here (tiny model, logical GPUs; docs/cluster.md).")
     run_key: str = Field("tiny-cpu", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                          description="Stable name of the run: a new flow run with the same key resumes it.")
     runs_root: str = Field(str(REPO / "runs"), description="Where run directories live (runs/<run_key>/).")
@@ -331,6 +340,8 @@ class PipelineParams(FlowParams):
         reason = not_output_dir_reason(Path(self.runs_root)) if here else None
         if reason:  # a read-only place, a full disk
             raise ValueError(f"runs_root {reason}")
+        if self.preset == "cluster-rehearsal" and not self.hf_checkpoint:
+            self.hf_checkpoint = str(self.run_dir / "local-cluster" / "hf-fp8-experts")
         if self.eval_interval > self.steps:
             raise ValueError(f"eval_interval ({self.eval_interval}) exceeds steps ({self.steps}); lower it so that "
                              "at least one evaluation runs")
@@ -351,7 +362,26 @@ class PipelineParams(FlowParams):
     def backend(self):
         """The run's engines (engines/backends `Backend`), built once from the preset: the flow hands this one
         object to every task, which calls it without asking which engines it drives."""
+        if self.preset == "cluster-rehearsal":
+            raise ValueError("cluster-rehearsal's engines exist while its flow runs (its local Ray head and engine): "
+                             "use `with params.engines() as backend`")
         return _BUILDERS[backend_name(self.preset)](self)
+
+    @contextmanager
+    def engines(self):
+        """The run's backend for the length of a flow run: `backend()`, except that cluster-rehearsal first starts
+        its local cluster (engines/upstream/rehearsal/cluster_run.py: v4rl's engine, a Ray head with logical GPUs,
+        the user's Miles and Megatron-LM) and stops it when the block ends; its backend is the Miles one."""
+        if self.preset != "cluster-rehearsal":
+            yield self.backend()
+            return
+        from engines.upstream.rehearsal.cluster_run import local_cluster
+
+        with local_cluster(self.run_dir / "local-cluster", self.miles_job(), run_dir=self.run_dir,
+                           eval_interval=self.eval_interval, overrides=self.miles_overrides(),
+                           miles_dir=self.miles_check_dir, megatron_dir=self.megatron_check_dir,
+                           dsv4_impl=self.dsv4_impl) as run:
+            yield _miles_backend(self, run, miles_dir=run.job.miles_dir, megatron_dir=run.job.megatron_dir)
 
     def miles_overrides(self) -> dict:
         """The run preset overrides these parameters make on the cluster path (engines.presets.runs OVERRIDES)."""
@@ -455,14 +485,23 @@ def _miles(p: PipelineParams):
     """engines/backends/miles.py MilesBackend: the Miles job (site, paths, preset overrides) of a cluster
     preset, where its results go, the checkouts preflight checks it against, and the torch_dist names its Miles
     generation loads."""
-    from engines.backends.miles import MilesBackend
     from engines.miles.pipeline import ClusterRun
 
     run = ClusterRun(preset=p.preset, job=p.miles_job(), site=p.site(), run_dir=str(p.run_dir),
                      eval_interval=p.eval_interval, overrides=p.miles_overrides(),
                      align_sglang_url=p.align_sglang_url or None)
-    return MilesBackend(run=run, steps=p.steps, megatron_names="megatron" if p.resolved_miles_generation() == 2
-                        else "plugin", miles_dir=p.miles_check_dir, megatron_dir=p.megatron_check_dir,
+    return _miles_backend(p, run, miles_dir=p.miles_check_dir, megatron_dir=p.megatron_check_dir)
+
+
+def _miles_backend(p: PipelineParams, run, *, miles_dir: str | None, megatron_dir: str | None):
+    """MilesBackend of `run`; its Miles generation (the run's override, else generation 1) names the checkpoint.
+    Preflight checks the job against the checkouts `miles_dir` / `megatron_dir` on this host (None: the pinned
+    sources)."""
+    from engines.backends.miles import MilesBackend
+
+    generation = run.overrides.get("miles_generation", 1)
+    return MilesBackend(run=run, steps=p.steps, megatron_names="megatron" if generation == 2 else "plugin",
+                        miles_dir=miles_dir, megatron_dir=megatron_dir,
                         sglang_dir=p.sglang_check_dir)
 
 

@@ -65,16 +65,17 @@ def _stop_what_the_run_started(flow, flow_run, state) -> None:
 def rl_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     log = get_run_logger()
     # One flow run (or `v4rl train`) per run directory: a second one is refused here, naming the holder
-    with hold_run_dir(params.run_dir, log=log.warning):
-        return _pipeline(params, log)
+    # The preset's engines, called by every task below (engines/backends); cluster-rehearsal starts its local Ray
+    # head and engine here and stops them when the run ends
+    with hold_run_dir(params.run_dir, log=log.warning), params.engines() as backend:
+        return _pipeline(params, backend, log)
 
 
-def _pipeline(params: PipelineParams, log) -> dict:
+def _pipeline(params: PipelineParams, backend, log) -> dict:
     key, run_dir = params.run_key, params.run_dir
     store = dict(store_url=params.store, prefix=f"runs/{key}", endpoint_url=params.s3_endpoint_url,
                  secret_block=params.s3_secret_block)
     artifact = key.lower().replace("_", "-").replace(".", "-")
-    backend = params.backend()  # the preset's engines, called by every task below (engines/backends)
 
     preflight(params.preset, params.seed, backend=backend, hf_checkpoint=params.hf_checkpoint,
               train_data=params.train_data, eval_data=params.eval_data, prompts_per_step=params.prompts_per_step,

@@ -1,5 +1,5 @@
 """Prefect tasks around checkpoints: HF FP8 -> torch_dist conversion (cached across flow runs by the source's
-identity, so a new run after a crash skips it) and the megatron-core verification."""
+identity while its output exists, so a new run after a crash skips it) and the megatron-core verification."""
 
 from __future__ import annotations
 
@@ -22,7 +22,12 @@ def source_identity(hf_dir: str) -> str:
     return h.hexdigest()[:20]
 
 
-def _convert_key(context, parameters) -> str:
+def _convert_key(context, parameters) -> str | None:
+    """The source's identity, the destination and its key names; None (run, cache nothing) while the destination
+    does not exist: a run directory deleted since would otherwise be 'converted' from the cache, and the conversion
+    is a no-op anyway when the destination is complete (found by the cluster-rehearsal, its run dir removed)."""
+    if not Path(parameters["dst"]).exists():
+        return None
     names = parameters.get("megatron_names") or "plugin"
     suffix = "" if names == "plugin" else f"-{names}"  # plugin: the key runs converted before keep
     return (f"convert-{source_identity(parameters['hf_dir'])}-{hashlib.sha256(parameters['dst'].encode()).hexdigest()[:12]}"

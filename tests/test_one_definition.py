@@ -92,7 +92,9 @@ def test_nightly_and_demo_are_named_overrides_of_the_preset(tmp_path):
     from v4rl.demo import _demo_params, run_demo
 
     nightly = NightlyParams()
-    assert {k: getattr(nightly, k) for k in SHORT_RUNS["nightly"]} == SHORT_RUNS["nightly"]
+    assert nightly.numbers() == SHORT_RUNS["nightly"]
+    assert NightlyParams(preset="cluster-rehearsal").numbers() == {}  # already a validation run's size
+    assert NightlyParams(preset="cluster-rehearsal", steps=2).numbers() == {"steps": 2}
     steps = inspect.signature(run_demo).parameters["steps"].default
     demo = _demo_params(tmp_path, TINY_BASE, TINY["seed"], steps)
     expected = {**_expected_form("tiny-cpu"), **SHORT_RUNS["demo"], "eval_interval": max(1, steps // 2)}
@@ -169,3 +171,24 @@ def test_rehearse_is_refused_on_the_embedded_preset_in_one_line():
     assert "rehearse='rollout': tiny-cpu runs the embedded engines here, with no Miles job to rehearse; leave " \
            "rehearse empty" in str(err.value)
     assert PipelineParams.preset_defaults("dsv4-flash-mi355x", rehearse="train").rehearse == "train"
+
+
+def test_the_cluster_rehearsal_preset_has_the_rehearsals_sizes():
+    """The cluster-rehearsal preset is the seed's job at the rehearsal's sizes (engines/upstream/rehearsal/job.py), so
+    the adapted job Miles parses resolves to the preset's values (preflight compares them in the flow)."""
+    from engines.presets.runs import REHEARSAL_RUN, SEED_RUN
+    from engines.upstream.rehearsal.job import FULL_CHANGES, ROLLOUT_SIZES
+
+    full = {flag: value for flag, value, _ in FULL_CHANGES}
+    p = REHEARSAL_RUN
+    assert (p.train.rollout_batch_size, p.train.n_samples_per_prompt, p.train.max_response_len) == (
+        ROLLOUT_SIZES["rollout_batch_size"], ROLLOUT_SIZES["n_samples_per_prompt"],
+        ROLLOUT_SIZES["rollout_max_response_len"])
+    assert (p.eval.interval, p.eval.n_samples_per_prompt, p.eval.max_response_len) == (
+        ROLLOUT_SIZES["eval_interval"], ROLLOUT_SIZES["n_samples_per_eval_prompt"], ROLLOUT_SIZES["eval_max_response_len"])
+    assert (p.num_rollout, p.miles.save_interval, p.algorithm.lr) == (
+        full["--num-rollout"], full["--save-interval"], full["--lr"])
+    # everything else is the seed's job: the algorithm, the data keys and reward, Miles' settings
+    assert (p.algorithm.use_tis, p.data.rm_type, p.data.input_key, p.miles.generation, p.mode) == (
+        SEED_RUN.algorithm.use_tis, SEED_RUN.data.rm_type, SEED_RUN.data.input_key, SEED_RUN.miles.generation,
+        SEED_RUN.mode)

@@ -20,6 +20,7 @@ MilesJob paths, preset overrides); it crosses the Prefect task boundary as this 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ def align_gate(run: ClusterRun, config: Any, *, on_line: Callable[[str], None] |
     t0 = time.perf_counter()
     prepared = run.prepare()
     n = int((flag_values(prepared.command.argv, "--n-samples-per-prompt") or ["1"])[0])
+    config = gate_config(config, prepared.command.argv)
     tokenizer = AutoTokenizer.from_pretrained(run.job.hf_checkpoint)  # tokenizer files only, no weights
     prompts = held_out_prompts(tokenizer, config.n_prompts, config.seed, tokenizer.bos_token_id)
     shared = Path(f"{run.job.save_dir}-align-gate")  # beside --save: on storage every node of the job reads
@@ -110,6 +112,15 @@ def align_gate(run: ClusterRun, config: Any, *, on_line: Callable[[str], None] |
 
     return score_batch(samples, config, shared_dir=shared, run_align_job=run_align_job, seconds={"generate": generated},
                        inputs={"model": run.job.hf_checkpoint, "torch_dist": run.job.ref_load, "sglang": url})
+
+
+def gate_config(config: Any, argv: list[str]) -> Any:
+    """The gate's AlignConfig at the job's --rollout-temperature: Miles' trainer divides the logits by it before
+    its log-softmax (miles/backends/training_utils/loss_hub/logit_processors.py), and SGLang returns the logprobs of
+    the temperature it sampled at, so both sides are scored at that one temperature (found by the cluster-rehearsal:
+    sampled at 1.0 against the seed's 0.8, the tiny model's |dlogprob| was 0.103, 20x the bf16 noise)."""
+    temperature = flag_values(argv, "--rollout-temperature")
+    return dataclasses.replace(config, temperature=float(temperature[0])) if temperature else config
 
 
 class _sglang_server:

@@ -61,6 +61,21 @@ def tiny_cpu_model_config() -> ModelConfig:
     )
 
 
+def tiny_miles_config() -> ModelConfig:
+    """The Miles-legal tiny DeepSeek-V4 the rehearsal and the cluster-rehearsal preset run: Flash's per-head shapes
+    (Miles' attention asserts head_dim 512, rope 64, o_lora_rank 1024, window 128, YaRN x16 over 65536, compressor
+    head dims 128/512), everything else shrunk: hidden 128, 2 heads in 2 output groups, 4 layers (sliding + hash
+    MoE, CSA, HCA, CSA), 4 routed experts top-2, vocab 500."""
+    return ModelConfig(
+        vocab_size=500, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, head_dim=512, q_lora_rank=128,
+        partial_rotary_factor=64 / 512, layer_types=[SLIDING, CSA, HCA, CSA],
+        mlp_layer_types=[HASH_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE], o_groups=2, o_lora_rank=1024, index_n_heads=4,
+        index_head_dim=128, index_topk=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                      "beta_slow": 1},
+        max_position_embeddings=4096, initializer_range=0.05)
+
+
 PRESETS = {"tiny-cpu": tiny_cpu_model_config}
 
 

@@ -8,6 +8,8 @@ Presets:
   dsv4-flash-mi355x         the seed's run: 2 rollout + 2 actor nodes of 8 MI355X, TP1 PP4 EP4 (last stage 10 layers)
   dsv4-flash-mi355x-1node   Miles' own launcher preset for 1 actor node (colocated, TP8 EP8)
   dsv4-flash-mi355x-32gpu   Miles' own launcher preset for 32 actor GPUs (colocated, TP4 PP4 EP8, 11+11+11+10)
+  cluster-rehearsal         the seed's Miles job at the rehearsal's sizes on a local Ray head (logical GPUs), the
+                            Miles-legal tiny model: the deployment `rl-pipeline/cluster-rehearsal` runs it
   tiny-cpu                  the embedded default (no Miles)
 The two `-1node` / `-32gpu` presets reproduce `scripts/amd/run_deepseek_v4.py train` at Miles 31f1ca961
 setting by setting (tests/conformance/test_miles_launcher.py records that launcher and compares).
@@ -84,6 +86,32 @@ TINY_RUN = RunPreset(
                   datasets=(("held-out", ""),)),
     algorithm=AlgorithmSpec(lr=1e-4),
 )
+def tiny_miles_shape() -> ModelShape:
+    """The shape of engines/presets/models.py tiny_miles_config (the rehearsal's Miles-legal tiny model); imports
+    the model package (torch) when called, as a preset's model is only when planned."""
+    from engines.presets.models import tiny_miles_config
+
+    return ModelShape.from_config(tiny_miles_config())
+
+
+# The seed's job as the cluster-rehearsal deployment runs it on this host (engines/backends/local_cluster.py): the
+# rehearsal's sizes (engines/upstream/rehearsal/job.py ROLLOUT_SIZES, FULL_CHANGES; tests/test_one_definition.py keeps
+# them equal), the Miles-legal tiny model, one logical GPU for the actor and one external engine (the builder adds
+# gpus_per_node=1), so that Miles' parser, checking the job that is submitted, resolves every value to this preset's.
+REHEARSAL_RUN = dataclasses.replace(
+    SEED_RUN, name="cluster-rehearsal",
+    description="The seed's Miles job at the rehearsal's sizes on a local Ray head with logical GPUs: the tiny "
+                "Miles-legal DeepSeek-V4, 3 rollouts of 2 prompts x 2, evaluated every rollout.",
+    model=tiny_miles_shape, hf_config=None, nodes=2, rollout_nodes=1,
+    parallel=ParallelSpec(),
+    train=dataclasses.replace(SEED_RUN.train, rollout_batch_size=2, n_samples_per_prompt=2, max_response_len=24,
+                              optimizer_offload=0.0),
+    rollout=dataclasses.replace(SEED_RUN.rollout, engine_tp=1, engine_ep=1),
+    num_rollout=3, data=dataclasses.replace(SEED_RUN.data, prompt_data="train.jsonl"),
+    eval=dataclasses.replace(SEED_RUN.eval, interval=1, n_samples_per_prompt=4, n_problems=4, max_response_len=24,
+                             datasets=(("aime", "eval.jsonl"),)),
+    algorithm=dataclasses.replace(SEED_RUN.algorithm, lr=1e-3), miles=dataclasses.replace(SEED_RUN.miles, save_interval=1),
+)
 SHORT_RUNS: dict[str, dict[str, Any]] = {
     "demo": dict(steps=8, n_eval=128),
     "nightly": dict(steps=4, eval_interval=4, prompts_per_step=32, n_eval=64),
@@ -93,7 +121,8 @@ minutes; its eval_interval follows --steps, halfway and at the end) and the nigh
 The demo trains the preset's 128 prompts x 8 samples per step, so that it shows learning: 8 such steps raise
 held-out pass@1 0.295 -> 0.379 on 128 problems (± 0.022, beyond twice the noise); 10 steps of 32 prompts, the
 demo until 2026-12-06, moved it +0.010 on 64 problems (± 0.028) and lr 3e-4 on them made it worse (-0.090)."""
-RUN_PRESETS: dict[str, RunPreset] = {p.name: p for p in (SEED_RUN, MILES_1NODE_RUN, MILES_32GPU_RUN, TINY_RUN)}
+RUN_PRESETS: dict[str, RunPreset] = {p.name: p for p in (SEED_RUN, MILES_1NODE_RUN, MILES_32GPU_RUN, REHEARSAL_RUN,
+                                                          TINY_RUN)}
 
 # override key -> (section, field); "pp" clears the preset's first/last stage sizes (give pp_first/pp_last too).
 # Sections: parallel/train/rollout (planner inputs), cluster (ClusterSpec), run (RunPreset itself),

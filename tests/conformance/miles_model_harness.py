@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engines.model.config import ModelConfig
-from engines.upstream.rehearsal.tiny_model import tiny_miles_config  # noqa: F401 - the one Miles-legal tiny shape (tests import it from here)
+from engines.presets.models import tiny_miles_config  # noqa: F401 - the one Miles-legal tiny shape (tests import it from here)
 from engines.upstream.miles_model_check import NUMERIC_STANDINS, tile_kernels_mhc_reference
 
 SEQ = 256

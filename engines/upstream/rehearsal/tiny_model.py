@@ -2,7 +2,8 @@
 
 Miles' attention asserts Flash's per-head dimensions (head_dim 512, rope 64, o_lora_rank 1024, window 128, YaRN
 factor 16 over 65536, compressor head dims 128/512), so those stay; hidden 128, 2 heads in 2 output groups,
-4 layers (sliding + hash MoE, CSA, HCA, CSA), 4 routed experts top-2, vocab 500 shrink. The same shape the model
+4 layers (sliding + hash MoE, CSA, HCA, CSA), 4 routed experts top-2, vocab 500 shrink (engines/presets/models.py
+`tiny_miles_config`, also the cluster-rehearsal preset's model). The same shape the model
 conformance tests build (tests/conformance/miles_model_harness.py), so what Miles' model loads there is what
 v4rl's engine serves here. Weights: v4rl's own random init (the transformers reference init `v4rl bootstrap`
 starts from), exported as the FP8/FP4 HF checkpoint a cluster's SGLang would serve.
@@ -15,18 +16,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from engines.model.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
-
-
-def tiny_miles_config() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=500, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, head_dim=512, q_lora_rank=128,
-        partial_rotary_factor=64 / 512, layer_types=[SLIDING, CSA, HCA, CSA],
-        mlp_layer_types=[HASH_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE], o_groups=2, o_lora_rank=1024, index_n_heads=4,
-        index_head_dim=128, index_topk=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                      "beta_slow": 1},
-        max_position_embeddings=4096, initializer_range=0.05)
+from engines.presets.models import tiny_miles_config
 
 
 def make_tiny_checkpoint(out: Path, *, seed: int = 0, weight_format: str = "fp8", expert_dtype: str = "fp4") -> Path:
