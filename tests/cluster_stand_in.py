@@ -47,6 +47,8 @@ if sys.argv[1:3] == ["job", "stop"]:  # ray job stop <id>: Ray stops the job's d
     except ProcessLookupError:
         pass
     sys.exit(0)
+if sys.argv[1:3] == ["job", "logs"]:  # the client streamed everything (it is the job): nothing more to read
+    sys.exit(0)
 
 print("Job 'raysubmit_%d' submitted successfully" % os.getpid(), flush=True)  # before the slow imports, as Ray
 from engines.miles.jobs import flag_values

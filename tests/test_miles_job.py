@@ -219,7 +219,8 @@ def test_run_job_submits_the_prepared_job(tmp_path, monkeypatch):
     prepared = prepare_job(SEED_RUN.name, job, site=SITE)
     outcome = run_job(SEED_RUN.name, job, site=SITE, prepared=prepared, kill_grace_s=2.0)
     assert outcome.ray_job_id == "raysubmit_v4rl1" and outcome.last("step").metrics["train/pg_loss"] == -0.01
-    assert _calls(tmp_path) == [prepared.submit_argv[1:]]  # the only ray call: the submit itself
+    # the submit, then `ray job logs` for what the stream missed (nothing here: the fake prints the same lines)
+    assert _calls(tmp_path) == [prepared.submit_argv[1:], ["job", "logs", "raysubmit_v4rl1"]]
     assert (tmp_path / "logs" / "r1.log").read_text().count("\n") == 3
 
 

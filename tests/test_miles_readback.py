@@ -275,3 +275,38 @@ def test_bad_input_names_the_fix(tmp_path):
     no_passk = miles_line("eval 0: {'eval/aime-none_reward_ratio': 0.0, 'eval/aime': 0.25}")
     with pytest.raises(MilesResultsError, match="--log-passrate"):
         record_lines([no_passk], tmp_path)
+
+
+def test_records_the_stream_missed_are_read_from_the_heads_whole_log(tmp_path):
+    """`ray job submit` stops streaming when its job dies: the last rollout's lines, printed by the driver before
+    it died, come from `ray job logs` (the head's copy), so the run directory holds what Miles trained. Found by the
+    cluster-rehearsal flow: rollout 2 trained and saved, its lines unread, the retry found nothing to train."""
+    import sys
+
+    from engines.miles.runner import MilesJobFailed, run_miles
+
+    lines = run_lines(range(0, 3), eval_every=1, eval_before=True)
+    streamed = lines[:next(i for i, line in enumerate(lines) if " perf 2: " in line)]  # ends before rollout 2
+    script = tmp_path / "submit.py"
+    script.write_text("import sys\n" + "".join(f"print({line!r}, flush=True)\n" for line in streamed)
+                      + "sys.exit(1)\n")  # the job failed (its driver killed)
+    recorder = MilesRecorder(tmp_path / "run", eval_problems={"aime": 2}, n_samples_per_eval_prompt=4)
+    driver_log = "\n".join(lines[1:]) + "\n"  # what the head kept: the driver's lines, not the client's
+    asked = []
+    with pytest.raises(MilesJobFailed):
+        run_miles([sys.executable, str(script)], log_path=tmp_path / "miles.log", on_record=recorder.feed,
+                  job_logs=lambda job_id, env: asked.append(job_id) or driver_log)
+    recorder.finish()
+    assert asked == ["raysubmit_0"]
+    rows = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3]  # rollout 2 trained before the driver died: its row is there
+    assert sorted(p.name for p in (tmp_path / "run" / "eval").iterdir()) == [f"step_{s:06d}.json" for s in range(4)]
+    log = (tmp_path / "miles.log").read_text()
+    assert log.count(" perf 2: ") == driver_log.count(" perf 2: ") == 2 and "unread by the stream" in log
+
+    # a head that cannot be asked: said in the log, nothing guessed
+    recorder = MilesRecorder(tmp_path / "run2")
+    with pytest.raises(MilesJobFailed):
+        run_miles([sys.executable, str(script)], log_path=tmp_path / "miles2.log", on_record=recorder.feed,
+                  job_logs=lambda job_id, env: None)
+    assert "could not read the whole log of Ray job raysubmit_0" in (tmp_path / "miles2.log").read_text()

@@ -33,8 +33,8 @@ from engines.miles.checkpoints import list_checkpoints
 from engines.miles.command import MilesCommand, MilesJob
 from engines.miles.jobs import eval_only_argv, flag_values, run_argv
 from engines.miles.results import MilesRecorder, MilesResultsError
-from engines.miles.runner import (MilesOutcome, MilesRunError, PreparedJob, prepare_job, run_miles,
-                                        stop_ray_job)
+from engines.miles.runner import (MilesOutcome, MilesRunError, PreparedJob, prepare_job, ray_job_logs, run_miles,
+                                  stop_ray_job, wait_job_actors)
 from engines.miles.submit import submit_argv
 from engines.runs.stopping import StopRequest
 
@@ -94,7 +94,9 @@ class ClusterRun:
                              idle_timeout_s=self.idle_timeout_s, timeout_s=timeout_s, on_line=on_line,
                              on_record=recorder.feed if recorder else None, expect_start_rollout=expect_start_rollout,
                              stop=stop, on_job=self._record_live_job,
-                             stop_job=functools.partial(stop_ray_job, ray_cli=self.site.ray_cli))
+                             stop_job=functools.partial(stop_ray_job, ray_cli=self.site.ray_cli),
+                             job_logs=functools.partial(ray_job_logs, ray_cli=self.site.ray_cli),
+                             job_actors=functools.partial(wait_job_actors, ray_cli=self.site.ray_cli))
         finally:
             if recorder is not None:
                 recorder.finish()  # what was trained before a failure is committed; a resume drops the rest
@@ -136,8 +138,14 @@ def train_run(run: ClusterRun, steps: int, *, on_line: Callable[[str], None] | N
         say(f"resume: {note}")
     recorder = run.recorder(prepared.command.argv, log=say)
     recorder.begin(start)
-    if start >= steps:
-        return {"resumed_from": start, "last_step": start, "skipped": True, "steps": [], "evaluated": []}
+    lost = sorted(set(range(1, start + 1)) - {row["step"] for row in recorder.runlog.metrics()})
+    if lost:  # a job that died after saving a rollout whose lines never reached the head's log
+        say(f"steps {lost} are trained (their checkpoint is in --save, training continues from it) but their "
+            f"records never reached this host (the job died before its log had them): metrics.jsonl lacks them")
+    if start >= steps:  # trained; a job that died after its last save may not have evaluated it (Miles' own order)
+        evaluated = [] if (Path(run.run_dir) / "eval" / f"step_{steps:06d}.json").exists() else \
+            [evaluate_step(run, steps, on_line=on_line)["step"]]
+        return {"resumed_from": start, "last_step": start, "skipped": True, "steps": [], "evaluated": evaluated}
     evaluated = (Path(run.run_dir) / "eval" / f"step_{start:06d}.json").exists()
     if start:
         say(f"resuming at rollout {start} from iter_{start - 1:07d} (Miles: tracker + 1)"

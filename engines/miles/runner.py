@@ -96,6 +96,86 @@ def stop_ray_job(job_id: str, env: Mapping[str, str] | None = None, *, ray_cli: 
     return done.returncode == 0
 
 
+def ray_job_logs(job_id: str, env: Mapping[str, str] | None = None, *, ray_cli: str = "ray") -> str | None:
+    """The job's whole driver log as the Ray head keeps it (`ray job logs <id>`), or None when it cannot be read."""
+    try:
+        done = subprocess.run([ray_cli, "job", "logs", job_id], env={**os.environ, **(env or {})},
+                              capture_output=True, text=True, errors="replace", timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+ACTORS_GONE_TIMEOUT_S = 120.0
+"""How long a failed job's Ray actors are waited for before its run goes on (a retry resubmits)."""
+
+
+def wait_job_actors(job_id: str, env: Mapping[str, str] | None = None, *, ray_cli: str = "ray",
+                    timeout_s: float = ACTORS_GONE_TIMEOUT_S) -> str:
+    """Wait until the Ray actors of the failed job `job_id` (a submission id) are gone; a line saying what was
+    found. Ray marks a job failed once its driver died and ends its actors after that: the training actor of a
+    killed driver went on for seconds, saved the next rollout, and the retry (prepared meanwhile at the rollout
+    before) loaded that checkpoint (found by the cluster-rehearsal), a load that could as well have met a save
+    half written. Asked through the cluster's state API (`ray list`, RAY_ADDRESS)."""
+    import json
+
+    def ray_list(*args: str) -> list | None:
+        try:
+            done = subprocess.run([ray_cli, "list", *args, "--format", "json"], env={**os.environ, **(env or {})},
+                                  capture_output=True, text=True, timeout=60)
+            return json.loads(done.stdout) if done.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return None
+
+    jobs = ray_list("jobs", "--filter", f"submission_id={job_id}")
+    driver = (jobs or [{}])[0].get("job_id") if isinstance(jobs, list) else None
+    if not driver:
+        return f"could not ask Ray which actors of job {job_id} still run (`ray list jobs`): not waited for"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = ray_list("actors", "--filter", f"job_id={driver}", "--filter", "state=ALIVE", "--limit", "10000")
+        if alive is None:
+            return f"could not ask Ray which actors of job {job_id} still run (`ray list actors`): not waited for"
+        if not alive:
+            return f"the actors of job {job_id} have ended"
+        if time.monotonic() > deadline:
+            names = sorted({a.get("class_name", "?") for a in alive})
+            return f"{len(alive)} actors of job {job_id} ({', '.join(names)}) still run after {timeout_s:.0f} s"
+        time.sleep(1.0)
+
+
+def _catch_up(outcome: "MilesOutcome", log, job_logs: Callable[..., str | None], env: Mapping[str, str] | None,
+              on_line: Callable[[str], None] | None, on_record: Callable[[MetricRecord], None] | None) -> None:
+    """Records the streamed log missed: `ray job submit` streams the driver's log with a lag and stops streaming
+    when the job ends, so a job whose driver died (a crash, a lost node) can end with its last rollouts' lines
+    unread (found by the cluster-rehearsal: rollout 2 trained and saved, its lines never streamed, the retry found
+    nothing left to train and the run lost step 3). The head's whole driver log gives them: its records after
+    the streamed ones are recorded, and its lines after them appended to the log."""
+    text = job_logs(outcome.ray_job_id, env)
+    if text is None:
+        say = f"could not read the whole log of Ray job {outcome.ray_job_id} (`ray job logs`): records it printed " \
+              "after the stream ended are not in the run directory"
+        log.write(say + "\n")
+        if on_line:
+            on_line(say)
+        return
+    lines = text.splitlines()
+    parsed = [(i, r) for i, line in enumerate(lines) if (r := parse_metric_line(line)) is not None]
+    streamed = [(r.kind, r.index) for r in outcome.records]
+    if [(r.kind, r.index) for _, r in parsed[:len(streamed)]] != streamed or len(parsed) == len(streamed):
+        return  # nothing missed (or a log that is not the streamed one's continuation: nothing is guessed)
+    first_missed = parsed[len(streamed)][0]
+    log.write(f"--- the rest of Ray job {outcome.ray_job_id}'s driver log (`ray job logs`), unread by the stream ---\n")
+    for line in lines[first_missed:]:
+        log.write(line + "\n")
+        if on_line:
+            on_line(line)
+    for _, record in parsed[len(streamed):]:
+        outcome.records.append(record)
+        if on_record:
+            on_record(record)
+
+
 def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -114,7 +194,9 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
               on_line: Callable[[str], None] | None = None, on_record: Callable[[MetricRecord], None] | None = None,
               expect_start_rollout: int | None = None, stop_job: Callable[..., bool] = stop_ray_job,
               kill_grace_s: float = 10.0, stop: StopRequest | None = None,
-              on_job: Callable[[str | None], None] | None = None) -> MilesOutcome:
+              on_job: Callable[[str | None], None] | None = None,
+              job_logs: Callable[..., str | None] = ray_job_logs,
+              job_actors: Callable[..., str] = wait_job_actors) -> MilesOutcome:
     """Run a Miles command, stream its output, enforce timeouts; return the outcome or raise MilesRunError.
 
     Each stdout/stderr line is appended to `log_path`, passed to `on_line`, and parsed for metrics
@@ -124,6 +206,9 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
     load that skips a parameter is killed at its first `will skip` line (MilesLoadSkipped), and a stop request
     (`stop`, set from another thread) kills the run within a poll (MilesStopped). `on_job` hears the Ray job id
     once `ray job submit` prints it and None when the job is over (the run directory's record of a live job).
+    A job that ended on its own (done or failed) has the records its streamed log missed read from the head's whole
+    driver log (`job_logs`: `ray job logs`) before this returns or raises; a failed one, its actors waited for
+    (`job_actors`) so that nothing of it writes to --save while a retry prepares.
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +278,14 @@ def run_miles(argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, st
                 if outcome.ray_job_id:
                     stop_job(outcome.ray_job_id, env)
                 break
-    outcome.returncode = proc.wait()
+        outcome.returncode = proc.wait()
+        if failure is None and outcome.ray_job_id:
+            _catch_up(outcome, log, job_logs, env, on_line, on_record)
+            if outcome.returncode != 0:
+                said = job_actors(outcome.ray_job_id, env)
+                log.write(said + "\n")
+                if on_line:
+                    on_line(said)
     outcome.seconds = time.monotonic() - start
     if on_job:
         on_job(None)

@@ -18,6 +18,7 @@ engines/backends/local_cluster.py; the job's --ref-load is the flow's conversion
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,7 @@ from engines.miles.jobs import flag_values, with_flags
 from engines.miles.pipeline import ClusterRun
 from engines.upstream.rehearsal.job import RehearsalPaths, Substitution, rehearsal_job, substitution_table
 from engines.upstream.rehearsal.ray_session import RaySession
-from engines.upstream.rehearsal.submitted import job_env
+from engines.upstream.rehearsal.submitted import WATCH_S, job_env
 
 PRESET = "cluster-rehearsal"
 """The run preset whose job this cluster runs (engines/presets/runs.py REHEARSAL_RUN): its sizes are the rehearsal's,
@@ -89,8 +90,11 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
            "V4RL_REHEARSAL_ENGINE_URL": f"http://{engine_addr}"}
     engine = ray = None
     ray_dir = r._ray_temp_dir(work)
+    watching = threading.Event()
     try:
         engine = r._start_engine(hf, engine_port, work / "engine.log")
+        threading.Thread(target=_stop_on_refusal, args=(work / "engine.log", run_dir, watching), daemon=True,
+                         name="local-cluster-engine-watch").start()
         ray = RaySession(ray_dir, port=ray_port, **probe.ray, env=env, log=work / "ray.log", jobs_api=True, cwd=work)
         log(f"local cluster: v4rl's engine {engine_addr}, Ray head {ray.address} (Jobs API {ray.jobs_address}), "
             f"Miles {miles} (generation {gen}), Megatron-LM {megatron}")
@@ -106,7 +110,24 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
             f"{substitution_table(rows)}")
         yield run
     finally:
+        watching.set()
         r.stop_session(ray, engine, ray_dir, work)
+
+
+def _stop_on_refusal(engine_log: Path, run_dir: str | Path, done: threading.Event) -> None:
+    """The engine's first refused request (a weight update it cannot take: the tensor and why) stops the run's
+    training, naming it (engines/runs/stopping.py: the runner `ray job stop`s the job, not retried), where Miles would
+    retry the request for a minute and a task retry would resubmit the same defect."""
+    from engines.runs.stopping import request_stop
+    from engines.upstream.rehearsal.run import _RefusalWatch
+
+    refusals = _RefusalWatch(engine_log)
+    while not done.wait(WATCH_S):
+        refusal = refusals.first()
+        if refusal:
+            request_stop(run_dir, f"v4rl's engine (the job's SGLang) refused Miles' request: {refusal} "
+                                  f"(engine log: {engine_log})")
+            return
 
 
 def run_rows(subs: list[Substitution], argv: list[str]) -> list[Substitution]:

@@ -1,0 +1,186 @@
+"""`prefect deployment run 'rl-pipeline/cluster-rehearsal'`: the cluster path as deployed, every step real, on a Ray
+head the flow starts on this host (engines/upstream/rehearsal/cluster_run.py), through a real Prefect server, the
+deployments of deployments/prefect.yaml and a process worker; artifacts to the S3-compatible test server.
+
+The default run holds one flow run (it replaced stage full's own run in the default run: the same Miles loop,
+kill and resume, here through the cluster path's code): Miles' parse_args on the submitted argv (preflight), the
+conversion Miles' model checks and loads, the alignment gate (v4rl's engine generating, Miles' Megatron rescoring
+through its train-only job), then ONE `ray job submit` of Miles' train.py whose driver this test SIGKILLs after
+rollout 1: the training task's retry resumes at rollout 2, each rollout trained once, each evaluation published
+once as a subflow while the job ran, every broadcast equal to what the engine holds, the run uploaded. About 4 min
+on the idle 2 cores. Slow: the cancel and its resume, generation 2 with both --dsv4-impl values, and a Miles whose
+broadcast zeroes the hash-routing table (the run fails at its first broadcast, naming the tensor).
+
+    .venv/bin/python -m pytest tests/conformance/test_cluster_rehearsal.py -q
+    .venv/bin/python -m pytest tests/conformance/test_cluster_rehearsal.py -m slow -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.prefect_server import flow_run_children
+from tests.s3_server import TEST_CREDENTIALS
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOYMENT = "rl-pipeline/cluster-rehearsal"
+
+
+def _prefect(env: dict, *args: str, timeout: float = 600) -> str:
+    proc = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"prefect {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.fixture
+def deployed(prefect_server, s3_bucket, tmp_path):
+    """The deployments of deployments/prefect.yaml on the session's server; (worker env, S3 bucket)."""
+    env = {**prefect_server["env"], **TEST_CREDENTIALS, "PROJECT_ROOT": str(REPO),
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    _prefect(env, "work-pool", "create", "v4rl-process", "--type", "process", "--overwrite")
+    _prefect(env, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "cluster-rehearsal")
+    return env, s3_bucket
+
+
+def _start(env: dict, params: dict) -> tuple[str, subprocess.Popen]:
+    """`prefect deployment run` and one worker pass (running until the flow run ends); (flow run id, worker)."""
+    out = _prefect(env, "deployment", "run", DEPLOYMENT, "--param", "params=" + json.dumps(params))
+    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "v4rl-process",
+                               "--run-once"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    return flow_run_id, worker
+
+
+def _flow_run(flow_run_id: str):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+def _params(tmp_path: Path, bucket, run_key: str, **more) -> dict:
+    return {"preset": "cluster-rehearsal", "run_key": run_key, "runs_root": str(tmp_path / "runs"),
+            "store_url": bucket.store_url("v4rl"), "s3_endpoint_url": bucket.endpoint_url, **more}
+
+
+def _training_job(run_dir: Path) -> list:
+    """The processes of the run's Miles training job: its driver (train.py with the run's --save) and the job's
+    Ray actor workers with their children, found by the job's runtime env (the run's broadcast folder)."""
+    import psutil
+
+    save, folder = str(run_dir / "miles-checkpoints"), str(run_dir / "local-cluster" / "broadcasts")
+    driver, actors = None, []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        try:
+            if any(part.endswith("train.py") for part in cmd) and save in cmd and "--debug-train-only" not in cmd:
+                driver = proc
+            elif cmd and cmd[0].startswith("ray::") and not cmd[0].startswith(("ray::JobSupervisor", "ray::IDLE")) \
+                    and proc.environ().get("V4RL_REHEARSAL_BROADCASTS") == folder:
+                actors += [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return [driver, *actors] if driver else []
+
+
+def _kill_after_rollout_1(run_dir: Path, stop: threading.Event, killed: list) -> None:
+    """Once rollout 1 is saved and the broadcast after it recorded, SIGKILL the whole training job, its driver and
+    its actors (a crash of the machine they run on: nothing of the job writes again; a driver killed alone leaves
+    its actors running for seconds, which the runner waits out before a retry: engines/miles/runner.py
+    wait_job_actors)."""
+    import psutil
+
+    tracker = run_dir / "miles-checkpoints" / "latest_checkpointed_iteration.txt"
+    broadcast = run_dir / "local-cluster" / "broadcasts" / "broadcast-v3.json"
+    while not stop.wait(0.2):
+        saved = tracker.read_text().strip() if tracker.is_file() else ""
+        if saved.isdigit() and int(saved) >= 1 and broadcast.is_file() and (job := _training_job(run_dir)):
+            names = []
+            for proc in job:
+                try:
+                    names.append(" ".join(proc.cmdline())[:60])
+                    proc.kill()
+                except psutil.Error:  # gone already
+                    pass
+            killed.append((time.time(), names))
+            return
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    """Processes still running that belong to the run: its Miles job, Ray head or engine."""
+    import psutil
+
+    mine = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if str(run_dir) in cmd and proc.pid != os.getpid():
+            mine.append(cmd[:160])
+    return mine
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _evals(run_dir: Path) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.json"))
+
+
+def test_the_deployment_runs_miles_job_for_real_and_a_killed_job_resumes(deployed, miles_tree, sglang_paths,
+                                                                          tmp_path):
+    from engines.upstream.rehearsal.weight_check import check_broadcasts
+
+    env, bucket = deployed
+    run_dir = tmp_path / "runs" / "rehearsed"
+    t0 = time.monotonic()
+    flow_run_id, worker = _start(env, _params(tmp_path, bucket, "rehearsed", miles_check_dir=str(miles_tree)))
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_after_rollout_1, args=(run_dir, stop, killed), daemon=True)
+    killer.start()
+    try:
+        output, _ = worker.communicate(timeout=1500)
+    finally:
+        stop.set()
+    print(f"flow run {time.monotonic() - t0:.0f} s")
+    run = _flow_run(flow_run_id)
+    assert run.state.is_completed(), f"{run.state}\n{output[-4000:]}"
+    assert killed, "the training job's driver was never killed"
+
+    names = ("preflight", "convert", "verify", "align", "train", "report", "upload-artifacts")
+    tasks, subflows = flow_run_children(flow_run_id, expect=names)
+    assert set(names) <= {t.name.rsplit("-", 1)[0] for t in tasks}, [t.name for t in tasks]
+    (train,) = [t for t in tasks if t.name.rsplit("-", 1)[0] == "train"]
+    assert train.run_count == 2, train  # the killed job, then the retry that resumed it
+    evaluations = sorted((f.parameters["step"], f.start_time.timestamp()) for f in subflows
+                         if f.parameters.get("step") is not None)
+    assert [step for step, _ in evaluations] == [0, 1, 2, 3], evaluations  # each published once
+    assert sum(start < train.end_time.timestamp() for _, start in evaluations) >= 2, (evaluations, train.end_time)
+
+    assert _steps(run_dir) == [1, 2, 3] and _evals(run_dir) == [0, 1, 2, 3]  # each rollout trained once
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["action"] for e in events] == ["retry"], events
+    log = (run_dir / "rehearsed.log").read_text()
+    # the gate's train-only job, the killed job, its retry (or, when the driver died after its last save, Miles'
+    # eval-only job for the last evaluation it did not get to: pipeline.py train_run)
+    assert log.count("submitted successfully") == 3, log.count("submitted successfully")
+    assert (run_dir / "miles-checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    alignment = json.loads((run_dir / "align.json").read_text())
+    assert alignment["passed"] and alignment["token_abs_diff"]["mean"] < 0.02, alignment["token_abs_diff"]
+    assert alignment["config"]["temperature"] == 0.8  # the job's --rollout-temperature, as Miles' trainer scores
+    checks = check_broadcasts(run_dir / "local-cluster" / "broadcasts", run_dir / "local-cluster" / "hf-fp8-experts")
+    assert len(checks) >= 3 and all(c["ok"] and c["tensors_sent"] > 0 for c in checks), checks
+    uploaded = set(bucket.keys("v4rl/runs/rehearsed/"))
+    for rel in ("metrics.jsonl", "align.json", "report.md", "eval/step_000003.json", "manifest.json"):
+        assert f"v4rl/runs/rehearsed/{rel}" in uploaded, rel
+    assert not _leftovers(run_dir)
