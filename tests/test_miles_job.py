@@ -326,3 +326,24 @@ def test_pipeline_parameters_become_the_miles_job(tmp_path):
     assert p.model_copy(update={"save_interval": 10}).miles_overrides()["save_interval"] == 10
     with disable_run_logger(), pytest.raises(SiteError, match="(?s)socket_ifname.*ib_hca"):  # before Miles is asked
         preflight.fn(p.preset, backend=p.backend())
+
+
+def test_a_failed_jobs_actors_are_waited_out_before_the_run_goes_on(tmp_path, monkeypatch):
+    """Ray ends a dead driver's actors after marking its job failed; one kept training and saved a rollout while
+    the retry prepared (the cluster-rehearsal saw it). The runner asks the state API until none is alive."""
+    from engines.miles.runner import wait_job_actors
+
+    for key, value in _fake_ray(tmp_path, """
+        calls = [json.loads(x) for x in open(os.environ["CALLS"])]
+        if sys.argv[1:3] == ["list", "jobs"]:
+            print(json.dumps([{"job_id": "05000000", "submission_id": "raysubmit_x", "status": "FAILED"}]))
+        elif sys.argv[1:3] == ["list", "actors"]:
+            assert "job_id=05000000" in sys.argv and "state=ALIVE" in sys.argv
+            alive = sum(c[:2] == ["list", "actors"] for c in calls) <= 2  # alive when asked twice, then gone
+            print(json.dumps([{"class_name": "MegatronTrainRayActor", "state": "ALIVE"}]) if alive
+                  else "No resource in the cluster")
+    """).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls.jsonl"))
+    assert wait_job_actors("raysubmit_x") == "the actors of job raysubmit_x have ended"
+    assert [c[:2] for c in _calls(tmp_path)] == [["list", "jobs"]] + [["list", "actors"]] * 3

@@ -123,17 +123,26 @@ def wait_job_actors(job_id: str, env: Mapping[str, str] | None = None, *, ray_cl
         try:
             done = subprocess.run([ray_cli, "list", *args, "--format", "json"], env={**os.environ, **(env or {})},
                                   capture_output=True, text=True, timeout=60)
-            return json.loads(done.stdout) if done.returncode == 0 else None
+            if done.returncode != 0:
+                return None
+            # an empty answer is this sentence, not "[]", whatever --format asks (Ray 2.60)
+            return [] if done.stdout.strip() == "No resource in the cluster" else json.loads(done.stdout)
         except (OSError, subprocess.TimeoutExpired, ValueError):
             return None
 
-    jobs = ray_list("jobs", "--filter", f"submission_id={job_id}")
+    def asked(*args: str) -> list | None:  # a state API answer, asked up to 3 times (it failed once, just after)
+        for _ in range(3):
+            if (answer := ray_list(*args)) is not None:
+                return answer
+        return None
+
+    jobs = asked("jobs", "--filter", f"submission_id={job_id}")
     driver = (jobs or [{}])[0].get("job_id") if isinstance(jobs, list) else None
     if not driver:
         return f"could not ask Ray which actors of job {job_id} still run (`ray list jobs`): not waited for"
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = ray_list("actors", "--filter", f"job_id={driver}", "--filter", "state=ALIVE", "--limit", "10000")
+        alive = asked("actors", "--filter", f"job_id={driver}", "--filter", "state=ALIVE", "--limit", "10000")
         if alive is None:
             return f"could not ask Ray which actors of job {job_id} still run (`ray list actors`): not waited for"
         if not alive:
