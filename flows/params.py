@@ -38,13 +38,13 @@ PRESET_PARAMS: dict[str, dict] = {
     name: {**{k: v for k, v in run_numbers(name).items() if k in FORM_NUMBERS},
            "hf_checkpoint": "/data/DeepSeek-V4-Flash-FP8", "rehearse": get_run_preset(name).miles.rehearse}
     for name in ("dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu")}
+"""Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
+own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
 PRESET_PARAMS["cluster-rehearsal"] = {
     **{k: v for k, v in run_numbers("cluster-rehearsal").items() if k in FORM_NUMBERS}, "rehearse": None,
     "hf_checkpoint": "", "align_prompts": 2}
 """cluster-rehearsal: its checkpoint is the tiny Miles-legal model the flow writes into the run directory (empty:
 <run_dir>/local-cluster/hf-fp8-experts), and 2 gate prompts (Megatron rescores them on this host's CPU)."""
-"""Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
-own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
 _REHEARSE_DOC = field_docs("engines.presets.spec", "MilesSettings")["rehearse"]
 _CORRECTION, _CORRECTION_DOCS = RolloutCorrection(), field_docs("rl.correction_setting", "RolloutCorrection")
 """Rollout corrections the Miles job carries today (--use-tis or not); the others run in the embedded trainer."""

@@ -184,3 +184,76 @@ def test_the_deployment_runs_miles_job_for_real_and_a_killed_job_resumes(deploye
     for rel in ("metrics.jsonl", "align.json", "report.md", "eval/step_000003.json", "manifest.json"):
         assert f"v4rl/runs/rehearsed/{rel}" in uploaded, rel
     assert not _leftovers(run_dir)
+
+
+def _ray_dirs() -> set[str]:
+    return {str(p) for p in Path("/tmp").glob("v4rl-ray-*")}
+
+
+@pytest.mark.slow
+def test_cancel_stops_the_job_and_everything_the_flow_started_and_a_later_run_resumes(deployed, miles_tree,
+                                                                                      sglang_paths, tmp_path):
+    env, bucket = deployed
+    run_dir, before = tmp_path / "runs" / "cancelled", _ray_dirs()
+    params = _params(tmp_path, bucket, "cancelled", miles_check_dir=str(miles_tree))
+    flow_run_id, worker = _start(env, params)
+    deadline = time.monotonic() + 900
+    while not ((run_dir / "miles-job.json").is_file() and (run_dir / "metrics.jsonl").is_file()):
+        assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()[0][-3000:]
+        time.sleep(0.5)  # the Miles job runs and has trained rollout 0
+    _prefect(env, "flow-run", "cancel", flow_run_id)
+    output, _ = worker.communicate(timeout=300)
+    run = _flow_run(flow_run_id)
+    assert run.state.is_cancelled(), f"{run.state}\n{output[-3000:]}"
+    assert not (run_dir / "miles-job.json").exists()  # the Ray job was stopped, its record removed
+    assert not _leftovers(run_dir) and _ray_dirs() <= before, (_leftovers(run_dir), _ray_dirs() - before)
+
+    again, worker = _start(env, params)  # the same run key: resumes from the last checkpoint
+    output, _ = worker.communicate(timeout=1500)
+    assert _flow_run(again).state.is_completed(), output[-4000:]
+    assert _steps(run_dir) == [1, 2, 3] and _evals(run_dir) == [0, 1, 2, 3]
+    assert not _leftovers(run_dir) and _ray_dirs() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_generation_2_runs_the_deployment_with_each_dsv4_impl(deployed, miles_gen2_tree, megatron_gen2_tree,
+                                                             sglang_paths, impl, tmp_path):
+    from engines.upstream.rehearsal.weight_check import check_broadcasts
+
+    env, bucket = deployed
+    run_dir = tmp_path / "runs" / f"gen2-{impl}"
+    t0 = time.monotonic()
+    flow_run_id, worker = _start(env, _params(tmp_path, bucket, f"gen2-{impl}", miles_check_dir=str(miles_gen2_tree),
+                                              megatron_check_dir=str(megatron_gen2_tree), dsv4_impl=impl))
+    output, _ = worker.communicate(timeout=1500)
+    print(f"generation 2, --dsv4-impl {impl}: {time.monotonic() - t0:.0f} s")
+    assert _flow_run(flow_run_id).state.is_completed(), output[-4000:]
+    assert _steps(run_dir) == [1, 2, 3] and _evals(run_dir) == [0, 1, 2, 3]
+    log = (run_dir / f"gen2-{impl}.log").read_text()
+    assert f"--dsv4-impl {impl}" in log  # the submitted argv
+    alignment = json.loads((run_dir / "align.json").read_text())
+    assert alignment["passed"] and alignment["token_abs_diff"]["mean"] < 0.02, alignment["token_abs_diff"]
+    checks = check_broadcasts(run_dir / "local-cluster" / "broadcasts", run_dir / "local-cluster" / "hf-fp8-experts")
+    assert len(checks) == 4 and all(c["ok"] for c in checks), checks
+    assert not _leftovers(run_dir)
+
+
+@pytest.mark.slow
+def test_a_miles_that_zeroes_the_hash_routing_table_fails_the_run_at_its_first_broadcast(
+        deployed, miles_gen2_tree, megatron_gen2_tree, sglang_paths, tmp_path):
+    from tests.conformance.test_rehearse import _miles_sending_zero_tid2eid
+
+    env, bucket = deployed
+    run_dir = tmp_path / "runs" / "planted"
+    miles = _miles_sending_zero_tid2eid(miles_gen2_tree, tmp_path)
+    flow_run_id, worker = _start(env, _params(tmp_path, bucket, "planted", miles_check_dir=str(miles),
+                                              megatron_check_dir=str(megatron_gen2_tree), dsv4_impl="megatron"))
+    output, _ = worker.communicate(timeout=1500)
+    run = _flow_run(flow_run_id)
+    assert run.state.is_failed(), f"{run.state}\n{output[-3000:]}"
+    assert "model.layers.0.mlp.topk.tid2eid" in (run.state.message or ""), run.state.message
+    tasks, _ = flow_run_children(flow_run_id, expect=("train",))
+    (train,) = [t for t in tasks if t.name.rsplit("-", 1)[0] == "train"]
+    assert train.run_count == 1 and train.state.is_failed()  # a refused weight is not retried
+    assert not (run_dir / "report.md").exists() and not _leftovers(run_dir)
