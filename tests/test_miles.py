@@ -136,8 +136,9 @@ def test_run_streams_lines_metrics_and_log(tmp_path):
         print({STEP!r})
     """)
     seen, records = [], []
+    driver_log = f"{PERF}\n{STEP}\n"  # what the head kept: the stream had all of it
     out = run_miles(argv, log_path=tmp_path / "logs" / "run.log", on_line=seen.append, on_record=records.append,
-                    env={"V4RL_TEST": "1"})
+                    env={"V4RL_TEST": "1"}, job_logs=lambda job_id, env: driver_log)
     assert out.returncode == 0 and out.ray_job_id == "raysubmit_AbC123"
     assert [r.kind for r in out.records] == ["perf", "step"] == [r.kind for r in records]
     assert out.last("step").metrics["train/grad_norm"] == 0.42

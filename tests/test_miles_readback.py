@@ -295,7 +295,8 @@ def test_records_the_stream_missed_are_read_from_the_heads_whole_log(tmp_path):
     asked = []
     with pytest.raises(MilesJobFailed):
         run_miles([sys.executable, str(script)], log_path=tmp_path / "miles.log", on_record=recorder.feed,
-                  job_logs=lambda job_id, env: asked.append(job_id) or driver_log)
+                  job_logs=lambda job_id, env: asked.append(job_id) or driver_log,
+                  job_actors=lambda job_id, env: f"the actors of job {job_id} have ended")
     recorder.finish()
     assert asked == ["raysubmit_0"]
     rows = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -308,5 +309,5 @@ def test_records_the_stream_missed_are_read_from_the_heads_whole_log(tmp_path):
     recorder = MilesRecorder(tmp_path / "run2")
     with pytest.raises(MilesJobFailed):
         run_miles([sys.executable, str(script)], log_path=tmp_path / "miles2.log", on_record=recorder.feed,
-                  job_logs=lambda job_id, env: None)
+                  job_logs=lambda job_id, env: None, job_actors=lambda job_id, env: "")
     assert "could not read the whole log of Ray job raysubmit_0" in (tmp_path / "miles2.log").read_text()

@@ -160,8 +160,13 @@ def test_the_deploy_step_says_it_turns_the_nightly_schedule_on():
     (schedule,) = nightly["schedules"]
     assert (schedule["cron"], schedule["timezone"], schedule["active"]) == ("30 2 * * *", "UTC", True)
     deploy = next(line for line in readme_deploy_lines() if "deployments/deploy.py" in line)
-    assert "deploys all three" in deploy and "nightly schedule (02:30 UTC" in deploy, deploy
+    assert "deploys them all" in deploy and "nightly schedule (02:30 UTC" in deploy, deploy
     page = " ".join((REPO / "docs" / "deployments.md").read_text().split())
     assert f'`cron: "{schedule["cron"]}"`, UTC, `active: true`' in page
     assert "prefect deployment schedule pause 'nightly-validation/nightly' ID" in page
     assert "runs at 02:30 utc once deployed" in nightly["description"].lower()
+    # the cluster-rehearsal nightly (minutes of Miles on the worker's host) is deployed paused, and said so
+    rehearsal = next(d for d in spec["deployments"] if d["name"] == "cluster-rehearsal"
+                     and d["entrypoint"].startswith("flows/nightly.py"))
+    assert [s["active"] for s in rehearsal["schedules"]] == [False] and "paused" in rehearsal["description"]
+    assert "`nightly-validation/cluster-rehearsal` runs it every night at 03:30 UTC once you resume" in page

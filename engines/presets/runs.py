@@ -96,13 +96,13 @@ def tiny_miles_shape() -> ModelShape:
 
 # The seed's job as the cluster-rehearsal deployment runs it on this host (engines/backends/local_cluster.py): the
 # rehearsal's sizes (engines/upstream/rehearsal/job.py ROLLOUT_SIZES, FULL_CHANGES; tests/test_one_definition.py keeps
-# them equal), the Miles-legal tiny model, one logical GPU for the actor and one external engine (the builder adds
-# gpus_per_node=1), so that Miles' parser, checking the job that is submitted, resolves every value to this preset's.
+# them equal), the Miles-legal tiny model, one logical GPU for the actor and one for the external engine (two
+# "nodes" of one), so that Miles' parser, checking the job that is submitted, resolves every value to this preset's.
 REHEARSAL_RUN = dataclasses.replace(
     SEED_RUN, name="cluster-rehearsal",
     description="The seed's Miles job at the rehearsal's sizes on a local Ray head with logical GPUs: the tiny "
                 "Miles-legal DeepSeek-V4, 3 rollouts of 2 prompts x 2, evaluated every rollout.",
-    model=tiny_miles_shape, hf_config=None, nodes=2, rollout_nodes=1,
+    model=tiny_miles_shape, hf_config=None, nodes=2, rollout_nodes=1, gpus_per_node=1,
     parallel=ParallelSpec(),
     train=dataclasses.replace(SEED_RUN.train, rollout_batch_size=2, n_samples_per_prompt=2, max_response_len=24,
                               optimizer_offload=0.0),
@@ -251,7 +251,8 @@ def layout_input(preset: RunPreset, cluster_overrides: Mapping[str, Any] | None 
                  profile: HardwareProfile | None = None) -> LayoutInput:
     """The planner input for a preset on its (or the given) hardware profile."""
     prof = profile or get_profile(preset.profile)
-    cluster = ClusterSpec(nodes=preset.nodes, rollout_nodes=preset.rollout_nodes, gpus_per_node=prof.gpus_per_node,
+    cluster = ClusterSpec(nodes=preset.nodes, rollout_nodes=preset.rollout_nodes,
+                          gpus_per_node=preset.gpus_per_node or prof.gpus_per_node,
                           hbm_gb=prof.hbm_gb, host_memory_gb=prof.host_memory_gb,
                           intra_node_gbps=prof.intra_node_gbps, inter_node_gbps=prof.inter_node_gbps)
     cluster = dataclasses.replace(cluster, **dict(cluster_overrides or {}))

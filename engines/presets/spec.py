@@ -183,6 +183,9 @@ class RunPreset:
     """--num-nodes."""
     rollout_nodes: int
     """--rollout-num-nodes (0 = colocated); the actor gets the rest (--actor-num-nodes)."""
+    gpus_per_node: int | None = None
+    """Accelerators per node when not the profile's (cluster-rehearsal: 1 logical GPU per node of its local head);
+    the `gpus_per_node` override wins over both."""
     parallel: ParallelSpec
     train: TrainSpec
     rollout: RolloutSpec

@@ -6,5 +6,6 @@ and every Ray worker start with bootstrap/ first on PYTHONPATH, whose sitecustom
 `v4rl serve-rollout` on a Miles-legal tiny DeepSeek-V4 (tiny_model.py) is Miles' external SGLang engine; the job
 is the cluster preset's, changed where a CPU must differ (job.py, every change a row of the substitution table).
 With the head's Jobs API on, Miles' train.py is `ray job submit`ted through the cluster path's own submitter
-(submitted.py: stage full with `--submit ray-job`; cluster_run.py: the cluster path's `train_run` on this machine).
+(submitted.py: stage full with `--submit ray-job`; cluster_run.py: the cluster-rehearsal preset's local cluster,
+on which the rl-pipeline runs the cluster path).
 """

@@ -34,8 +34,6 @@ from engines.upstream.rehearsal.submitted import WATCH_S, job_env
 PRESET = "cluster-rehearsal"
 """The run preset whose job this cluster runs (engines/presets/runs.py REHEARSAL_RUN): its sizes are the rehearsal's,
 so Miles' parser resolves the submitted argv to that preset's values (preflight compares them)."""
-CLUSTER_OVERRIDES = {"gpus_per_node": 1}
-"""The local head's shape: one logical GPU per "node", 1 actor node + 1 rollout node (v4rl's one external engine)."""
 RUN_FLAGS = ("--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size",
              "--eval-interval", "--n-samples-per-eval-prompt", "--lr", "--save-interval", "--hf-checkpoint",
              "--ref-load", "--load", "--save", "--prompt-data", "--eval-prompt-data", "--input-key", "--label-key")
@@ -103,7 +101,7 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
         run = ClusterRun(preset=PRESET, job=dataclasses.replace(job, miles_dir=str(miles), megatron_dir=str(megatron),
                                                                 data_dir=str(work / "data")),
                          site=ray.site(), run_dir=str(run_dir), eval_interval=eval_interval,
-                         overrides={**(overrides or {}), **generation, **CLUSTER_OVERRIDES},
+                         overrides={**(overrides or {}), **generation},
                          align_sglang_url=f"http://{engine_addr}", adapt=adapt)
         rows = run_rows(probe.substitutions + r._impl_rows(probe.argv, impl_args), run.prepare().command.argv)
         log(f"cluster-rehearsal: the seed's Miles job with these CPU substitutions (docs/rehearsal.md):\n"
