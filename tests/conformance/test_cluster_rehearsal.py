@@ -8,8 +8,9 @@ conversion Miles' model checks and loads, the alignment gate (v4rl's engine gene
 through its train-only job), then ONE `ray job submit` of Miles' train.py whose driver this test SIGKILLs after
 rollout 1: the training task's retry resumes at rollout 2, each rollout trained once, each evaluation published
 once as a subflow while the job ran, every broadcast equal to what the engine holds, the run uploaded. About 4 min
-on the idle 2 cores. Slow: the cancel and its resume, generation 2 with both --dsv4-impl values, and a Miles whose
-broadcast zeroes the hash-routing table (the run fails at its first broadcast, naming the tensor).
+on the idle 2 cores; also in the default run, a Megatron-LM that does not fit the Miles (one line, nothing started).
+Slow: the cancel and its resume, generation 2 with both --dsv4-impl values, a Miles whose broadcast zeroes the
+hash-routing table (the run fails at its first broadcast, naming the tensor), and the nightly validation of it.
 
     .venv/bin/python -m pytest tests/conformance/test_cluster_rehearsal.py -q
     .venv/bin/python -m pytest tests/conformance/test_cluster_rehearsal.py -m slow -q
@@ -257,3 +258,41 @@ def test_a_miles_that_zeroes_the_hash_routing_table_fails_the_run_at_its_first_b
     (train,) = [t for t in tasks if t.name.rsplit("-", 1)[0] == "train"]
     assert train.run_count == 1 and train.state.is_failed()  # a refused weight is not retried
     assert not (run_dir / "report.md").exists() and not _leftovers(run_dir)
+
+
+def test_a_megatron_that_does_not_fit_the_miles_is_one_line_before_anything_starts(prefect_server, miles_tree,
+                                                                                   megatron_gen2_tree, tmp_path):
+    """Bad input of the local cluster (a Megatron-LM of the other generation; the others: Miles missing or not
+    Miles, too little memory, in tests/conformance/test_rehearse.py and the parameters' own validation) fails the
+    flow run in one line naming the fix, before preflight, with nothing started."""
+    from flows.params import PipelineParams
+    from flows.rl_pipeline import rl_pipeline
+
+    run_dir, before = tmp_path / "runs" / "misfit", _ray_dirs()
+    params = PipelineParams.preset_defaults("cluster-rehearsal", runs_root=str(tmp_path / "runs"), run_key="misfit",
+                                            miles_check_dir=str(miles_tree), megatron_check_dir=str(megatron_gen2_tree))
+    state = rl_pipeline(params, return_state=True)
+    assert state.is_failed(), state
+    message = str(state.result(raise_on_failure=False))
+    assert "the Megatron-LM does not fit this Miles (generation 1)" in message and "\n" not in message, message
+    assert not (run_dir / "local-cluster").exists() and not _leftovers(run_dir) and _ray_dirs() <= before
+
+
+@pytest.mark.slow
+def test_the_nightly_validates_the_cluster_rehearsal_run(deployed, miles_tree, sglang_paths, tmp_path):
+    """`nightly-validation/cluster-rehearsal`: the run with the preset's own numbers, its verdict recorded in the
+    store and judged as tiny-cpu's nights are (no earlier nights: pass@1 needs history; alignment and
+    train-vs-rollout |Δlogprob| are judged at once)."""
+    env, bucket = deployed
+    _prefect(env, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "cluster-rehearsal")
+    out = _prefect(env, "deployment", "run", "nightly-validation/cluster-rehearsal", "--param", "params=" + json.dumps(
+        {"preset": "cluster-rehearsal", "runs_root": str(tmp_path / "runs"), "store_url": bucket.store_url("v4rl"),
+         "s3_endpoint_url": bucket.endpoint_url}))
+    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+    output = _prefect(env, "worker", "start", "--pool", "v4rl-process", "--run-once", timeout=1500)
+    assert _flow_run(flow_run_id).state.is_completed(), output[-4000:]
+    (key,) = [k for k in bucket.keys("v4rl/runs/") if k.endswith("/nightly.json")]
+    record = json.loads(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read())
+    assert record["preset"] == "cluster-rehearsal" and record["diff_steps"] == [1, 2, 3], record
+    assert record["verdict"]["checks"]["pass@1"]["status"] == "insufficient_history", record["verdict"]
+    assert record["align_mean"] < 0.02 and record["verdict"]["passed"], record
