@@ -9,8 +9,11 @@ does), for 30 rollouts with evaluation every 10 and a save every 20 (the preset'
   - cancelling the flow run (`prefect flow-run cancel`, the run on a process worker as deployed) calls
     `ray job stop` and leaves no stand-in process; a later run of the same run key resumes.
 
-preflight, convert, verify and align are replaced (they need Miles' sources, a 284B checkpoint or the cluster's
-engines; tested on their own). About 3 minutes on a loaded 2-core machine.
+Why a stand-in here: these runs are 30 rollouts, saves every 20 and evaluations every 10 (the resume drops records
+of 5 rollouts past a checkpoint 20 apart), which real Miles would take about 20 minutes a run to produce on CPU; the
+real job, kill, resume and cancel run through the same flow in tests/conformance/test_cluster_rehearsal.py. This
+file tests the training task's records, retry and cancel on that grid, not the cluster path: preflight, convert,
+verify and align are replaced (run for real in the cluster rehearsal). About 3 minutes on a loaded 2-core machine.
 
     .venv/bin/python -m pytest tests/test_cluster_flow.py -q
 """

@@ -6,7 +6,10 @@ save every --save-interval and at the end with the data cursor) printing Miles' 
 side: ONE job trains the run and evaluates itself, a killed job is resubmitted from its last complete checkpoint
 with the records past it dropped, a load that skips a parameter fails at once naming it, a silent job is killed
 and its Ray job stopped, a stop request stops the Ray job. Miles itself is checked by tests/conformance/ and the
-`gpu` test. NUM_GPUS = 0; about 60 s on a loaded 2-core machine (each stand-in job imports torch).
+`gpu` test. Why a stand-in: it produces in seconds what real Miles cannot cheaply (a job silent for idle_timeout_s,
+a load printing `will skip`, long save/eval grids); Miles' own job through this code runs in
+tests/conformance/test_cluster_rehearsal.py. NUM_GPUS = 0; about 60 s on a loaded 2-core machine (each stand-in job
+imports torch).
 
     .venv/bin/python -m pytest tests/test_miles_pipeline.py -q
 """

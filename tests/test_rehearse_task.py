@@ -1,6 +1,8 @@
 """The preflight rehearsal in the rl-pipeline (issue 28, "In the pipeline"; tasks/rehearse.py), through a real Prefect
 server on 127.0.0.1 with the cluster preset against the file-level stand-in for `ray job submit`
-(tests/cluster_stand_in.py; preflight, convert, verify and align replaced as there, the rehearse task real):
+(tests/cluster_stand_in.py; preflight, convert, verify and align replaced as there, the rehearse task real; why a
+stand-in: what is tested is the rehearse task's place and failure in the flow, on a cluster preset with no cluster
+here; the cluster path itself runs for real in tests/conformance/test_cluster_rehearsal.py):
 
   - rehearse on, and a rehearsal that cannot run (miles_check_dir is not a Miles tree, which the rehearsal refuses
     in one line): the flow fails at the rehearse task, not retried, before the conversion and before any Ray job
