@@ -44,7 +44,8 @@ if "PREFECT_HOME" not in os.environ:
 # first and the short files fill the gaps; in alphabetical order two of them ran last, one after the other, on one
 # worker while the others idled (22 min instead of about 15). A file missing here only starts later; none is skipped.
 LONGEST_FIRST = (
-    "conformance/test_cluster_rehearsal.py", "conformance/test_rehearse.py", "test_kill_resume.py", "test_cluster_flow.py", "test_interrupt_and_lock.py",
+    "conformance/test_cluster_rehearsal.py", "conformance/test_rehearse.py", "test_kill_resume.py",
+    "test_cluster_flow.py", "test_interrupt_and_lock.py",
     "test_pipeline_e2e.py", "test_fault_worker_kill.py", "test_user_reward.py", "test_fault_checkpoint_write.py",
     "conformance/test_miles_derived_jobs.py", "test_train_run.py", "test_train_stop.py", "test_secret_scan.py",
     "conformance/test_miles_model.py", "conformance/test_miles_engine_methods.py", "test_convert.py",

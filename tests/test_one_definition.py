@@ -185,7 +185,8 @@ def test_the_cluster_rehearsal_preset_has_the_rehearsals_sizes():
         ROLLOUT_SIZES["rollout_batch_size"], ROLLOUT_SIZES["n_samples_per_prompt"],
         ROLLOUT_SIZES["rollout_max_response_len"])
     assert (p.eval.interval, p.eval.n_samples_per_prompt, p.eval.max_response_len) == (
-        ROLLOUT_SIZES["eval_interval"], ROLLOUT_SIZES["n_samples_per_eval_prompt"], ROLLOUT_SIZES["eval_max_response_len"])
+        ROLLOUT_SIZES["eval_interval"], ROLLOUT_SIZES["n_samples_per_eval_prompt"],
+        ROLLOUT_SIZES["eval_max_response_len"])
     assert (p.num_rollout, p.miles.save_interval, p.algorithm.lr) == (
         full["--num-rollout"], full["--save-interval"], full["--lr"])
     # everything else is the seed's job: the algorithm, the data keys and reward, Miles' settings

@@ -86,6 +86,8 @@ TINY_RUN = RunPreset(
                   datasets=(("held-out", ""),)),
     algorithm=AlgorithmSpec(lr=1e-4),
 )
+
+
 def tiny_miles_shape() -> ModelShape:
     """The shape of engines/presets/models.py tiny_miles_config (the rehearsal's Miles-legal tiny model); imports
     the model package (torch) when called, as a preset's model is only when planned."""
@@ -94,10 +96,11 @@ def tiny_miles_shape() -> ModelShape:
     return ModelShape.from_config(tiny_miles_config())
 
 
-# The seed's job as the cluster-rehearsal deployment runs it on this host (engines/backends/local_cluster.py): the
-# rehearsal's sizes (engines/upstream/rehearsal/job.py ROLLOUT_SIZES, FULL_CHANGES; tests/test_one_definition.py keeps
-# them equal), the Miles-legal tiny model, one logical GPU for the actor and one for the external engine (two
-# "nodes" of one), so that Miles' parser, checking the job that is submitted, resolves every value to this preset's.
+# The seed's job as the cluster-rehearsal deployment runs it on this host (flows/params.py PipelineParams.engines,
+# engines/upstream/rehearsal/cluster_run.py): the rehearsal's sizes (engines/upstream/rehearsal/job.py ROLLOUT_SIZES,
+# FULL_CHANGES; tests/test_one_definition.py keeps them equal), the Miles-legal tiny model, one logical GPU for the
+# actor and one for the external engine (two "nodes" of one), so that Miles' parser, checking the job that is
+# submitted, resolves every value to this preset's.
 REHEARSAL_RUN = dataclasses.replace(
     SEED_RUN, name="cluster-rehearsal",
     description="The seed's Miles job at the rehearsal's sizes on a local Ray head with logical GPUs: the tiny "
@@ -110,7 +113,8 @@ REHEARSAL_RUN = dataclasses.replace(
     num_rollout=3, data=dataclasses.replace(SEED_RUN.data, prompt_data="train.jsonl"),
     eval=dataclasses.replace(SEED_RUN.eval, interval=1, n_samples_per_prompt=4, n_problems=4, max_response_len=24,
                              datasets=(("aime", "eval.jsonl"),)),
-    algorithm=dataclasses.replace(SEED_RUN.algorithm, lr=1e-3), miles=dataclasses.replace(SEED_RUN.miles, save_interval=1),
+    algorithm=dataclasses.replace(SEED_RUN.algorithm, lr=1e-3),
+    miles=dataclasses.replace(SEED_RUN.miles, save_interval=1),
 )
 SHORT_RUNS: dict[str, dict[str, Any]] = {
     "demo": dict(steps=8, n_eval=128),
