@@ -52,13 +52,17 @@ STOP_WAIT_S = 20.0
 
 def _stop_what_the_run_started(flow, flow_run, state) -> None:
     """on_cancellation hook (run by Prefect's runner after it killed the flow process): `ray job stop` the Miles
-    job the run's training task left running, if the flow process did not get to stop it."""
+    job the run's training task left running, and end the local cluster a cluster-rehearsal run started, if the
+    flow process did not get to stop them."""
     from engines.miles.pipeline import stop_live_job
+    from engines.upstream.rehearsal.cluster_run import stop_local_cluster
 
     params = PipelineParams.model_validate((flow_run.parameters or {}).get("params") or {})
     stopped = stop_live_job(params.run_dir)
     if stopped:
         print(f"cancelled: stopped Ray job {stopped} of run {params.run_key}")
+    for what in stop_local_cluster(params.run_dir / "local-cluster"):
+        print(f"cancelled: stopped the local cluster's {what} of run {params.run_key}")
 
 
 @flow(name="rl-pipeline", log_prints=True, on_cancellation=[_stop_what_the_run_started])

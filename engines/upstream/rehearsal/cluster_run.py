@@ -18,6 +18,7 @@ engines/backends/local_cluster.py; the job's --ref-load is the flow's conversion
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -94,6 +95,7 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
         threading.Thread(target=_stop_on_refusal, args=(work / "engine.log", run_dir, watching), daemon=True,
                          name="local-cluster-engine-watch").start()
         ray = RaySession(ray_dir, port=ray_port, **probe.ray, env=env, log=work / "ray.log", jobs_api=True, cwd=work)
+        _record_started(work, {"ray start": ray.process.pid, "serve-rollout": engine.pid}, ray_dir)
         log(f"local cluster: v4rl's engine {engine_addr}, Ray head {ray.address} (Jobs API {ray.jobs_address}), "
             f"Miles {miles} (generation {gen}), Megatron-LM {megatron}")
         generation = {"miles_generation": gen, "dsv4_impl": dsv4_impl}  # the checkout's, whatever the caller assumed
@@ -110,6 +112,46 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
     finally:
         watching.set()
         r.stop_session(ray, engine, ray_dir, work)
+        (work / STARTED).unlink(missing_ok=True)
+
+
+STARTED = "started.json"
+"""<work>/started.json: the process groups the local cluster runs (by what their leader's command line holds) and
+its Ray temp dir, while it runs; `stop_local_cluster` ends them when the flow process could not (it was killed)."""
+
+
+def _record_started(work: Path, groups: dict[str, int], ray_dir: Path) -> None:
+    tmp = work / (STARTED + ".tmp")
+    tmp.write_text(json.dumps({"groups": groups, "ray_dir": str(ray_dir)}))
+    tmp.replace(work / STARTED)
+
+
+def stop_local_cluster(work: str | Path) -> list[str]:
+    """SIGKILL the process groups a local cluster in `work` left running (its flow process was killed before its
+    own stop: Prefect's runner kills a cancelled flow 30 s after SIGTERM) and remove its Ray temp dir; returns what
+    was stopped. A group whose leader no longer runs that command (the PID reused) is left alone."""
+    import os
+    import shutil
+    import signal
+
+    import psutil
+
+    record_path = Path(work) / STARTED
+    if not record_path.is_file():
+        return []
+    record = json.loads(record_path.read_text())
+    stopped = []
+    for command, pgid in record["groups"].items():
+        try:
+            if command in " ".join(psutil.Process(pgid).cmdline()):
+                os.killpg(pgid, signal.SIGKILL)
+                stopped.append(f"{command} (process group {pgid})")
+        except (psutil.Error, ProcessLookupError):
+            continue
+    if not Path(record["ray_dir"]).is_relative_to(Path(work)):
+        shutil.rmtree(record["ray_dir"], ignore_errors=True)
+    record_path.unlink(missing_ok=True)
+    return stopped
 
 
 def _stop_on_refusal(engine_log: Path, run_dir: str | Path, done: threading.Event) -> None:
