@@ -21,13 +21,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 from pydantic import Field, field_validator
 
-from engines.presets.runs import SHORT_RUNS
+from engines.presets.runs import REHEARSAL_RUN, SHORT_RUNS
 from flows.params import FlowParams, PipelineParams
 from flows.rl_pipeline import rl_pipeline
 
 NIGHTLY_RUN = SHORT_RUNS["nightly"]
 """The validation run: the preset with a few steps (engines/presets/runs.py SHORT_RUNS, an override of tiny-cpu)."""
-OWN_NUMBERS = ("cluster-rehearsal",)
+OWN_NUMBERS = (REHEARSAL_RUN.name,)
 """Presets already the size of a validation run, validated with their own numbers (cluster-rehearsal: 3 rollouts of
 Miles' job on this host's CPU; NIGHTLY_RUN's 32 prompts a step would take it an hour)."""
 HISTORY_PREFIX = "runs/"

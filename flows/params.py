@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from engines import TINY_BASE
 from engines.backends import backend_name
-from engines.presets.runs import get_run_preset, run_numbers
+from engines.presets.runs import REHEARSAL_RUN, get_run_preset, run_numbers
 from engines.presets.spec import RehearsalStage
 
 from rl.correction_setting import MIS_ALTERNATIVE, MIS_EXAMPLE, Mode, RolloutCorrection
@@ -40,8 +40,8 @@ PRESET_PARAMS: dict[str, dict] = {
     for name in ("dsv4-flash-mi355x", "dsv4-flash-mi355x-1node", "dsv4-flash-mi355x-32gpu")}
 """Per cluster preset, the parameters whose defaults differ from the field defaults (tiny-cpu's): that preset's
 own numbers (engines/presets/runs.py), so `v4rl plan --preset P` and the form of P run the same run."""
-PRESET_PARAMS["cluster-rehearsal"] = {
-    **{k: v for k, v in run_numbers("cluster-rehearsal").items() if k in FORM_NUMBERS}, "rehearse": None,
+PRESET_PARAMS[REHEARSAL_RUN.name] = {
+    **{k: v for k, v in run_numbers(REHEARSAL_RUN).items() if k in FORM_NUMBERS}, "rehearse": None,
     "hf_checkpoint": "", "align_prompts": 2}
 """cluster-rehearsal: its checkpoint is the tiny Miles-legal model the flow writes into the run directory (empty:
 <run_dir>/local-cluster/hf-fp8-experts), and 2 gate prompts (Megatron rescores them on this host's CPU)."""
@@ -340,7 +340,7 @@ class PipelineParams(FlowParams):
         reason = not_output_dir_reason(Path(self.runs_root)) if here else None
         if reason:  # a read-only place, a full disk
             raise ValueError(f"runs_root {reason}")
-        if self.preset == "cluster-rehearsal" and not self.hf_checkpoint:
+        if self.preset == REHEARSAL_RUN.name and not self.hf_checkpoint:
             self.hf_checkpoint = str(self.run_dir / "local-cluster" / "hf-fp8-experts")
         if self.eval_interval > self.steps:
             raise ValueError(f"eval_interval ({self.eval_interval}) exceeds steps ({self.steps}); lower it so that "
@@ -362,7 +362,7 @@ class PipelineParams(FlowParams):
     def backend(self):
         """The run's engines (engines/backends `Backend`), built once from the preset: the flow hands this one
         object to every task, which calls it without asking which engines it drives."""
-        if self.preset == "cluster-rehearsal":
+        if self.preset == REHEARSAL_RUN.name:
             raise ValueError("cluster-rehearsal's engines exist while its flow runs (its local Ray head and engine): "
                              "use `with params.engines() as backend`")
         return _BUILDERS[backend_name(self.preset)](self)
@@ -372,7 +372,7 @@ class PipelineParams(FlowParams):
         """The run's backend for the length of a flow run: `backend()`, except that cluster-rehearsal first starts
         its local cluster (engines/upstream/rehearsal/cluster_run.py: v4rl's engine, a Ray head with logical GPUs,
         the user's Miles and Megatron-LM) and stops it when the block ends; its backend is the Miles one."""
-        if self.preset != "cluster-rehearsal":
+        if self.preset != REHEARSAL_RUN.name:
             yield self.backend()
             return
         from engines.upstream.rehearsal.cluster_run import local_cluster

@@ -12,6 +12,7 @@ Each exception says why, with the log's last lines; `.retryable` tells the Prefe
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -117,8 +118,6 @@ def wait_job_actors(job_id: str, env: Mapping[str, str] | None = None, *, ray_cl
     killed driver went on for seconds, saved the next rollout, and the retry (prepared meanwhile at the rollout
     before) loaded that checkpoint (found by the cluster-rehearsal), a load that could as well have met a save
     half written. Asked through the cluster's state API (`ray list`, RAY_ADDRESS)."""
-    import json
-
     def ray_list(*args: str) -> list | None:
         try:
             done = subprocess.run([ray_cli, "list", *args, "--format", "json"], env={**os.environ, **(env or {})},

@@ -28,11 +28,13 @@ from typing import Any
 from engines.miles.command import MilesCommand, MilesJob
 from engines.miles.jobs import flag_values, with_flags
 from engines.miles.pipeline import ClusterRun
-from engines.upstream.rehearsal.job import RehearsalPaths, Substitution, rehearsal_job, substitution_table
+from engines.presets.runs import REHEARSAL_RUN
+from engines.upstream.rehearsal.job import (RehearsalPaths, Substitution, flag_text, rehearsal_job,
+                                              substitution_table)
 from engines.upstream.rehearsal.ray_session import RaySession
 from engines.upstream.rehearsal.submitted import WATCH_S, job_env
 
-PRESET = "cluster-rehearsal"
+PRESET = REHEARSAL_RUN.name
 """The run preset whose job this cluster runs (engines/presets/runs.py REHEARSAL_RUN): its sizes are the rehearsal's,
 so Miles' parser resolves the submitted argv to that preset's values (preflight compares them)."""
 RUN_FLAGS = ("--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size",
@@ -82,7 +84,8 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
     paths = RehearsalPaths(hf, train, evals, work)
     engine_port, ray_port = r.free_port(0, "engine"), r.free_port(0, "ray")
     engine_addr = f"127.0.0.1:{engine_port}"
-    probe = rehearsal_job(seed, paths, engine_addr=engine_addr, stage="full", context_length=r._context_length(hf),
+    context_length = r._context_length(hf)
+    probe = rehearsal_job(seed, paths, engine_addr=engine_addr, stage="full", context_length=context_length,
                           layout=layout)
     env = {**r._stage_env("full", probe.env, miles, megatron, ray_port),  # with stage full's broadcast over gloo,
            "V4RL_REHEARSAL_BROADCASTS": str(work / "broadcasts"),         # each broadcast recorded (full.py)
@@ -99,7 +102,7 @@ def local_cluster(work: Path, job: MilesJob, *, run_dir: str | Path, eval_interv
         log(f"local cluster: v4rl's engine {engine_addr}, Ray head {ray.address} (Jobs API {ray.jobs_address}), "
             f"Miles {miles} (generation {gen}), Megatron-LM {megatron}")
         generation = {"miles_generation": gen, "dsv4_impl": dsv4_impl}  # the checkout's, whatever the caller assumed
-        adapt = _Adapt(seed, paths, engine_addr, r._context_length(hf), layout, impl_args, env, uuid.uuid4().hex)
+        adapt = _Adapt(seed, paths, engine_addr, context_length, layout, impl_args, env, uuid.uuid4().hex)
         run = ClusterRun(preset=PRESET, job=dataclasses.replace(job, miles_dir=str(miles), megatron_dir=str(megatron),
                                                                 data_dir=str(work / "data")),
                          site=ray.site(), run_dir=str(run_dir), eval_interval=eval_interval,
@@ -176,8 +179,7 @@ def run_rows(subs: list[Substitution], argv: list[str]) -> list[Substitution]:
     out = []
     for sub in subs:
         if sub.name in RUN_FLAGS:
-            values = flag_values(argv, sub.name)
-            shown = "(absent)" if values is None else " ".join(values) or "(set)"
+            shown = flag_text(flag_values(argv, sub.name))
             if shown == sub.cluster:
                 continue
             sub = dataclasses.replace(sub, rehearsal=shown)

@@ -118,7 +118,7 @@ class RehearsalJob:
     a CPU bundle per actor rank plus Miles' RolloutManager and its lock."""
 
 
-def _show(values: list[str] | None) -> str:
+def flag_text(values: list[str] | None) -> str:
     if values is None:
         return "(absent)"
     return " ".join(values) if values else "(set)"
@@ -187,13 +187,13 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
         raise ValueError(f"stage {stage!r}: the job is built for rollout, train or full")
     for flag, value, why in changes:
         before = parse_flags(argv).get(flag)
-        shown = "(absent)" if value is False else "(set)" if value is True else _show(
+        shown = "(absent)" if value is False else "(set)" if value is True else flag_text(
             [str(v) for v in value] if isinstance(value, list) else [str(value)])
         if value is False:
             argv = without_flags(argv, [flag])
         else:
             argv = with_flags(argv, **{flag[2:].replace("-", "_"): value})
-        cluster_value = _show(parse_flags(cluster_job.argv).get(flag))
+        cluster_value = flag_text(parse_flags(cluster_job.argv).get(flag))
         if cluster_value != shown or before is None:
             subs.append(Substitution(flag, cluster_value, shown, why))
     if stage != "train":  # the stages that start Miles' router
@@ -201,8 +201,8 @@ def rehearsal_job(preset: RunPreset, paths: RehearsalPaths, *, engine_addr: str,
     subs = list({s.name: s for s in subs}.values())  # a flag changed twice (stage full's --num-rollout): the last
     layout = "--pipeline-model-parallel-layout"
     if layout in parse_flags(argv) or layout in parse_flags(cluster_job.argv):
-        subs.append(Substitution(layout, _show(parse_flags(cluster_job.argv).get(layout)),
-                                 _show(parse_flags(argv).get(layout)), "one pipeline stage (PP 1)" if p.pp == 1
+        subs.append(Substitution(layout, flag_text(parse_flags(cluster_job.argv).get(layout)),
+                                 flag_text(parse_flags(argv).get(layout)), "one pipeline stage (PP 1)" if p.pp == 1
                                  else f"{lay.why}; the string built as for the cluster (train_args.py "
                                       "pipeline_layout)"))
     env = {k: v for k, v in built.env.items() if "${" not in v and k != "PYTHONPATH"}
